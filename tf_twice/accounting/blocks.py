@@ -1,0 +1,182 @@
+"""Validated per-block parameters shared by every accounting entry point.
+
+A hybrid-clipping step has m blocks; block j has noise multiplier z_j, l2 clip
+c2_j, l-infinity clip c_inf_j and (optionally) its number of coordinates r_j.
+Each public function accepts scalars (one block) or equal-length sequences and
+normalises them here, so validation and its error messages live in one place.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Tuple, Union
+
+import attr
+
+ScalarOrBlocks = Union[float, Sequence[float]]
+OptionalScalarOrBlocks = Union[None, float, Sequence[Optional[float]]]
+
+
+def check_rate(name: str, value: float) -> float:
+    """Returns `value` as a float if it is a probability in (0, 1]."""
+    value = _as_real(name, value)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f'{name} must be in (0, 1]; got {value}.')
+    return value
+
+
+def check_positive(name: str, value: float) -> float:
+    """Returns `value` as a float if it is finite and > 0."""
+    value = _as_real(name, value)
+    if not (value > 0.0 and math.isfinite(value)):
+        raise ValueError(f'{name} must be a finite number > 0; got {value}.')
+    return value
+
+
+def check_delta(delta: float) -> float:
+    """Returns delta as a float if it is in (0, 1)."""
+    delta = _as_real('delta', delta)
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f'delta must be in (0, 1); got {delta}.')
+    return delta
+
+
+def check_steps(name: str, steps: int) -> int:
+    """Returns `steps` if it is an integer >= 1."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+        raise ValueError(f'{name} must be an integer >= 1; got {steps!r}.')
+    if steps < 1:
+        raise ValueError(f'{name} must be an integer >= 1; got {steps}.')
+    return int(steps)
+
+
+def _as_real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f'{name} must be a real number; got {value!r}.')
+    return float(value)
+
+
+def _as_tuple(name: str, value, allow_none: bool = False) -> Tuple:
+    if value is None and allow_none:
+        return (None,)
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f'{name} must be a number or a sequence of numbers; '
+                         f'got {value!r}.')
+    if isinstance(value, Sequence) or hasattr(value, 'tolist'):
+        values = tuple(value.tolist() if hasattr(value, 'tolist') else value)
+        if not isinstance(values, tuple):  # A 0-d numpy array.
+            values = (values,)
+        if not values:
+            raise ValueError(f'{name} must not be empty.')
+        return values
+    return (value,)
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class Blocks:
+    """Per-block parameters, validated; all tuples have length `size`.
+
+    Attributes:
+      noise_multipliers: z_j > 0; block j's noise std is z_j * c2_j.
+      l2_norm_clips: c2_j > 0.
+      linf_norm_clips: c_inf_j > 0, capped at c2_j (a larger l-infinity clip
+        has no effect after l2 clipping).
+      dimensions: r_j (number of coordinates) or None when unknown.
+    """
+    noise_multipliers: Tuple[float, ...]
+    l2_norm_clips: Tuple[float, ...]
+    linf_norm_clips: Tuple[float, ...]
+    dimensions: Optional[Tuple[int, ...]]
+
+    @property
+    def size(self) -> int:
+        return len(self.noise_multipliers)
+
+    @classmethod
+    def from_arguments(
+        cls,
+        noise_multiplier: ScalarOrBlocks,
+        l2_norm_clip: ScalarOrBlocks,
+        linf_norm_clip: OptionalScalarOrBlocks,
+        block_dimensions: Optional[Union[int, Sequence[int]]] = None,
+        noise_multiplier_name: str = 'noise_multiplier',
+        l2_norm_clip_name: str = 'l2_norm_clip',
+        linf_norm_clip_name: str = 'linf_norm_clip',
+        block_dimensions_name: str = 'block_dimensions',
+    ) -> 'Blocks':
+        """Validates user arguments (scalars or per-block sequences).
+
+        A scalar is broadcast to the number of blocks given by the longest
+        sequence argument; sequences must all have that length.
+        `linf_norm_clip=None` (or a None entry) means no l-infinity clipping.
+        """
+        named = [
+            (noise_multiplier_name, _as_tuple(noise_multiplier_name,
+                                              noise_multiplier)),
+            (l2_norm_clip_name, _as_tuple(l2_norm_clip_name, l2_norm_clip)),
+            (linf_norm_clip_name, _as_tuple(linf_norm_clip_name,
+                                            linf_norm_clip, allow_none=True)),
+        ]
+        if block_dimensions is not None:
+            named.append((block_dimensions_name,
+                          _as_tuple(block_dimensions_name, block_dimensions)))
+        size = max(len(values) for _, values in named)
+        broadcast = {}
+        for name, values in named:
+            if len(values) == 1:
+                values = values * size
+            elif len(values) != size:
+                lengths = ', '.join(f'{n}: {len(v)}' for n, v in named)
+                raise ValueError(
+                    f'{name} has {len(values)} blocks but another argument '
+                    f'has {size}; per-block arguments must have equal lengths '
+                    f'({lengths}).')
+            broadcast[name] = values
+
+        noise = tuple(check_positive(f'{noise_multiplier_name}[{j}]', z)
+                      for j, z in enumerate(broadcast[noise_multiplier_name]))
+        l2 = tuple(check_positive(f'{l2_norm_clip_name}[{j}]', c)
+                   for j, c in enumerate(broadcast[l2_norm_clip_name]))
+        linf = []
+        for j, c in enumerate(broadcast[linf_norm_clip_name]):
+            if c is None:
+                linf.append(l2[j])
+            else:
+                linf.append(min(check_positive(f'{linf_norm_clip_name}[{j}]',
+                                               c), l2[j]))
+        dims = None
+        if block_dimensions is not None:
+            dims = []
+            for j, r in enumerate(broadcast[block_dimensions_name]):
+                if (isinstance(r, bool) or not isinstance(r, numbers.Integral)
+                        or r < 1):
+                    raise ValueError(
+                        f'{block_dimensions_name}[{j}] must be an integer >= '
+                        f'1; got {r!r}.')
+                dims.append(int(r))
+            dims = tuple(dims)
+        return cls(noise, l2, tuple(linf), dims)
+
+    def effective_noise_multiplier(self) -> float:
+        """z_eff with 1/z_eff^2 = sum_j 1/z_j^2 (the q2 = 1 equivalent)."""
+        return sum(z ** -2 for z in self.noise_multipliers) ** -0.5
+
+    def worst_case_coordinates(self, j: int) -> Tuple[int, float]:
+        """Block j's dominating sensitivity (remark after [COORD]).
+
+        Returns (n, c_last): n coordinates at c_inf_j and one more at c_last
+        (c_last = 0 when there is none), with n * c_inf^2 + c_last^2 = c2^2,
+        or n = r_j coordinates at c_inf and nothing else when the block has
+        only r_j <= d0 coordinates.
+        """
+        c2, cinf = self.l2_norm_clips[j], self.linf_norm_clips[j]
+        d0 = (c2 / cinf) ** 2
+        n = math.floor(d0)
+        # A ratio that is an integer up to rounding has no fractional part.
+        if d0 - n > 1.0 - 1e-9:
+            n += 1
+        if self.dimensions is not None and self.dimensions[j] <= n:
+            return self.dimensions[j], 0.0
+        # Rounding n up above is sound: n * c_inf^2 >= c2^2 then.
+        return n, math.sqrt(max(c2 * c2 - n * cinf * cinf, 0.0))

@@ -1,0 +1,251 @@
+"""Privacy statements for twice-sampled DP-SGD, beside tf_privacy's.
+
+Mirrors tensorflow_privacy's `compute_dp_sgd_privacy` and
+`compute_dp_sgd_privacy_statement` (same arguments, plus the coordinate
+sampling rate and the clip norms). The comparison with standard DP-SGD calls
+tf_privacy's own function, so this module imports TensorFlow lazily, only
+when a statement is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import textwrap
+from typing import Optional, Sequence, Tuple, Union
+
+from tf_twice.accounting import blocks as blocks_lib
+from tf_twice.accounting import calibration
+from tf_twice.accounting import conversion as conversion_lib
+
+_WIDTH = 80
+
+
+def _steps(number_of_examples: int, batch_size: float,
+           num_epochs: float) -> int:
+    """tf_privacy's step count: ceil(epochs * n / batch_size)."""
+    return int(math.ceil(num_epochs * number_of_examples / batch_size))
+
+
+def _check_dataset(number_of_examples, batch_size, num_epochs
+                   ) -> Tuple[int, float, float, int]:
+    blocks_lib.check_steps('number_of_examples', number_of_examples)
+    batch_size = blocks_lib.check_positive('batch_size', batch_size)
+    if batch_size > number_of_examples:
+        raise ValueError(f'batch_size must be in (0, number_of_examples='
+                         f'{number_of_examples}]; got {batch_size}.')
+    num_epochs = blocks_lib.check_positive('num_epochs', num_epochs)
+    q1 = batch_size / number_of_examples
+    return number_of_examples, q1, num_epochs, _steps(
+        number_of_examples, batch_size, num_epochs)
+
+
+def _effective_noise(noise_multiplier, used_microbatching: bool):
+    """Microbatches of several examples double the sensitivity (tf_privacy's
+    convention), which is the same as halving every noise multiplier."""
+    if not used_microbatching:
+        return noise_multiplier
+    if isinstance(noise_multiplier, (int, float)):
+        return noise_multiplier / 2
+    return tuple(z / 2 for z in noise_multiplier)
+
+
+def compute_twice_sampling_privacy(
+        n: int,
+        batch_size: float,
+        noise_multiplier: blocks_lib.ScalarOrBlocks,
+        epochs: float,
+        delta: float,
+        coordinate_sampling_rate: float,
+        l2_norm_clip: blocks_lib.ScalarOrBlocks = 1.0,
+        linf_norm_clip: blocks_lib.OptionalScalarOrBlocks = None,
+        *,
+        block_dimensions: Optional[Union[int, Sequence[int]]] = None,
+        orders: Optional[Sequence[float]] = None,
+        conversion: conversion_lib.ConversionLike = 'dp_accounting',
+) -> Tuple[float, float]:
+    """(epsilon, optimal RDP order) of twice-sampled DP-SGD.
+
+    Like tf_privacy's `compute_dp_sgd_privacy(n, batch_size,
+    noise_multiplier, epochs, delta)`: Poisson sampling at
+    q1 = batch_size / n for ceil(epochs * n / batch_size) steps, add-or-remove
+    adjacency, plus coordinate sampling at rate q2 and l2 / l-infinity clips
+    (scalars or one per hybrid block).
+    """
+    n, q1, epochs, steps = _check_dataset(n, batch_size, epochs)
+    return calibration.epsilon_after_steps(
+        steps=steps, delta=delta, example_sampling_rate=q1,
+        coordinate_sampling_rate=coordinate_sampling_rate,
+        noise_multiplier=noise_multiplier, l2_norm_clip=l2_norm_clip,
+        linf_norm_clip=linf_norm_clip, block_dimensions=block_dimensions,
+        orders=orders, conversion=conversion)
+
+
+def _tf_privacy_dp_sgd_epsilon(n: int, q: float, noise_multiplier: float,
+                               steps: int, delta: float) -> float:
+    """Epsilon of standard DP-SGD (Poisson rate q, `steps` steps) computed by
+    tf_privacy's `compute_dp_sgd_privacy`."""
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    from tensorflow_privacy.privacy.analysis import (  # pylint: disable=g-import-not-at-top
+        compute_dp_sgd_privacy_lib)
+    batch_size = q * n
+    epochs = steps * q
+    # tf_privacy recomputes steps as ceil(epochs * n / batch_size); step back
+    # from a rounding that would add one.
+    while _steps(n, batch_size, epochs) > steps:
+        epochs = math.nextafter(epochs, 0.0)
+    with _quiet_absl(logging):  # It logs a deprecation notice every call.
+        eps, _ = compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy(
+            n, batch_size, noise_multiplier, epochs, delta)
+    return float(eps)
+
+
+@contextlib.contextmanager
+def _quiet_absl(logging):
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def noise_variance_ratio(
+        *, target_epsilon: float, delta: float, steps: int,
+        example_sampling_rate: float, coordinate_sampling_rate: float,
+        l2_norm_clip: blocks_lib.ScalarOrBlocks = 1.0,
+        linf_norm_clip: blocks_lib.OptionalScalarOrBlocks = None,
+        block_dimensions=None,
+        conversion: conversion_lib.ConversionLike = 'dp_accounting',
+        tolerance: float = 1e-4) -> float:
+    """Noise variance of twice sampling over standard DP-SGD at equal epsilon.
+
+    Both noise multipliers are calibrated to `target_epsilon` after `steps`
+    steps with the same accountant and conversion: twice sampling at
+    (q1, q2) with the given clips, and standard DP-SGD (l2 clip only) with
+    Poisson sampling at q1 * q2, which has the same expected number of
+    contributions per coordinate. The ratio (z_twice / z_standard)^2 is the
+    paper's tabulated noise-variance ratio; below 1 means twice sampling
+    needs less noise.
+    """
+    common = dict(target_epsilon=target_epsilon, delta=delta, steps=steps,
+                  conversion=conversion, tolerance=tolerance)
+    z_twice = calibration.calibrate_noise_multiplier(
+        example_sampling_rate=example_sampling_rate,
+        coordinate_sampling_rate=coordinate_sampling_rate,
+        l2_norm_clip=l2_norm_clip, linf_norm_clip=linf_norm_clip,
+        block_dimensions=block_dimensions, **common)
+    # Standard DP-SGD is the case q2 = 1 without l-infinity clipping.
+    z_standard = calibration.calibrate_noise_multiplier(
+        example_sampling_rate=example_sampling_rate
+        * coordinate_sampling_rate,
+        coordinate_sampling_rate=1.0, l2_norm_clip=1.0, linf_norm_clip=None,
+        **common)
+    return (z_twice / z_standard) ** 2
+
+
+def _format_blocks(values) -> str:
+    if isinstance(values, (list, tuple)):
+        return '(' + ', '.join(f'{v:g}' if v is not None else 'none'
+                               for v in values) + ')'
+    return 'none' if values is None else f'{values:g}'
+
+
+def compute_twice_sampling_privacy_statement(
+        number_of_examples: int,
+        batch_size: float,
+        num_epochs: float,
+        noise_multiplier: blocks_lib.ScalarOrBlocks,
+        delta: float,
+        coordinate_sampling_rate: float,
+        l2_norm_clip: blocks_lib.ScalarOrBlocks = 1.0,
+        linf_norm_clip: blocks_lib.OptionalScalarOrBlocks = None,
+        used_microbatching: bool = False,
+        max_examples_per_user: Optional[int] = None,
+        *,
+        block_dimensions: Optional[Union[int, Sequence[int]]] = None,
+        conversion: conversion_lib.ConversionLike = 'dp_accounting',
+) -> str:
+    """A report of the DP guarantee of twice-sampled DP-SGD.
+
+    Same arguments as tf_privacy's `compute_dp_sgd_privacy_statement`, plus
+    the coordinate sampling rate and the clip norms (one per hybrid block for
+    several blocks). tf_twice clips every example on its own, so
+    `used_microbatching` defaults to False; True doubles the sensitivity as in
+    tf_privacy. The report gives epsilon under Poisson sampling, the epsilon
+    of standard DP-SGD with Poisson sampling at q1 * q2 and the same noise
+    (computed by tf_privacy), and the noise-variance ratio at equal epsilon.
+    """
+    n, q1, num_epochs, steps = _check_dataset(number_of_examples, batch_size,
+                                              num_epochs)
+    delta = blocks_lib.check_delta(delta)
+    q2 = blocks_lib.check_rate('coordinate_sampling_rate',
+                               coordinate_sampling_rate)
+    conversion = conversion_lib.as_conversion(conversion)
+    noise = _effective_noise(noise_multiplier, used_microbatching)
+    blocks = blocks_lib.Blocks.from_arguments(noise, l2_norm_clip,
+                                              linf_norm_clip, block_dimensions)
+    eps, order = compute_twice_sampling_privacy(
+        n, batch_size, noise, num_epochs, delta, q2, l2_norm_clip,
+        linf_norm_clip, block_dimensions=block_dimensions,
+        conversion=conversion)
+    z_eff = blocks.effective_noise_multiplier()
+    eps_standard = _tf_privacy_dp_sgd_epsilon(n, q1 * q2, z_eff, steps, delta)
+
+    d0 = tuple((c / ci) ** 2 for c, ci in zip(blocks.l2_norm_clips,
+                                                blocks.linf_norm_clips))
+    one_block = blocks.size == 1
+    paragraphs = [textwrap.fill(
+        f'Twice-sampled DP-SGD performed over {n} examples with '
+        f'{batch_size:g} examples per iteration in expectation (Poisson '
+        f'sampling rate q1 = {q1:.6g}), coordinate sampling rate '
+        f'q2 = {q2:g}, noise multiplier '
+        f'{_format_blocks(noise_multiplier)}, l2 clip '
+        f'{_format_blocks(l2_norm_clip)} and l-infinity clip '
+        f'{_format_blocks(linf_norm_clip)} '
+        f'(d0 = {_format_blocks(d0[0] if one_block else d0)}) for '
+        f'{num_epochs:g} epochs ({steps} steps) '
+        f'{"with" if used_microbatching else "without"} microbatching'
+        + ('' if one_block else f', over {blocks.size} hybrid-clipping '
+           f'blocks (effective noise multiplier {z_eff:.4g})')
+        + '.', width=_WIDTH)]
+    paragraphs.append(textwrap.fill(
+        'This privacy guarantee protects the release of all model '
+        'checkpoints in addition to the final model. It assumes every '
+        'example is included in each step independently with probability q1 '
+        '(Poisson sampling); shuffled fixed-size batches do not give it.',
+        width=_WIDTH))
+    paragraphs.append(
+        textwrap.fill(
+            f'Example-level DP with add-or-remove-one adjacency at delta = '
+            f'{delta} computed with RDP accounting ({conversion.value} '
+            'conversion):', width=_WIDTH)
+        + f'\n    Epsilon with twice sampling:{eps:>37.3f}'
+        f'  (RDP order {order:g})'
+        + f'\n    Epsilon of standard DP-SGD with Poisson sampling at q1*q2 ='
+        f' {q1 * q2:.6g}\n    and the same noise (by tensorflow_privacy):'
+        f'{eps_standard:>22.3f}')
+    # The single-noise comparison is meaningful for one block; several blocks
+    # get per-block noise from `optimize_block_noise` instead.
+    if one_block and math.isfinite(eps) and eps > 0:
+        ratio = noise_variance_ratio(
+            target_epsilon=eps, delta=delta, steps=steps,
+            example_sampling_rate=q1, coordinate_sampling_rate=q2,
+            l2_norm_clip=blocks.l2_norm_clips,
+            linf_norm_clip=blocks.linf_norm_clips,
+            block_dimensions=block_dimensions, conversion=conversion)
+        paragraphs.append(textwrap.fill(
+            f'Noise-variance ratio at equal epsilon ({eps:.3f}): '
+            f'{ratio:.4f} (noise calibrated for twice sampling over noise '
+            'calibrated for standard DP-SGD at rate q1*q2, same steps; below '
+            '1 means twice sampling needs less noise).', width=_WIDTH))
+    if max_examples_per_user is None:
+        paragraphs.append(textwrap.fill(
+            'No user-level privacy guarantee is possible without a bound on '
+            'the number of examples per user.', width=_WIDTH))
+    else:
+        paragraphs.append(textwrap.fill(
+            f'At most {max_examples_per_user} examples per user: tf_twice '
+            'does not compute a user-level guarantee for twice sampling; the '
+            'epsilon above is example-level only.', width=_WIDTH))
+    return '\n\n'.join(paragraphs) + '\n'
