@@ -1,0 +1,265 @@
+"""Tests of the one-step RDP of twice sampling against independent numbers."""
+
+import math
+
+from dp_accounting.rdp import rdp_privacy_accountant
+import mpmath
+import numpy as np
+from numpy.polynomial import hermite_e
+import pytest
+
+from tf_twice.accounting import twice_sampling_rdp
+from tf_twice.accounting.rdp import MAX_ORDER
+
+DEFAULT_ORDERS = np.array(rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+INTEGER_ORDERS = DEFAULT_ORDERS[DEFAULT_ORDERS == np.round(DEFAULT_ORDERS)]
+
+
+def _poisson_gaussian_rdp(q, z, orders):
+    """dp_accounting's own RDP of the Poisson-subsampled Gaussian."""
+    return rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(  # pylint: disable=protected-access
+        q, z, orders)
+
+
+# ---------------------------------------------------------------------------
+# Degenerate cases that dp_accounting computes itself.
+
+
+@pytest.mark.parametrize('q1', [1e-3, 0.01, 0.2, 0.7])
+@pytest.mark.parametrize('z', [0.6, 1.0, 3.0])
+@pytest.mark.parametrize('linf', [None, 0.5, 0.05])
+def test_no_coordinate_sampling_is_poisson_subsampled_gaussian(q1, z, linf):
+    ours = twice_sampling_rdp(
+        INTEGER_ORDERS, example_sampling_rate=q1, coordinate_sampling_rate=1.0,
+        noise_multiplier=z, l2_norm_clip=2.0, linf_norm_clip=linf)
+    reference = _poisson_gaussian_rdp(q1, z, INTEGER_ORDERS)
+    np.testing.assert_allclose(ours, reference, rtol=1e-8, atol=1e-15)
+
+
+def test_multi_block_without_coordinate_sampling_uses_effective_noise():
+    z = np.array([0.8, 2.0, 5.0])
+    z_eff = np.sum(z ** -2.0) ** -0.5
+    ours = twice_sampling_rdp(
+        INTEGER_ORDERS, example_sampling_rate=0.05,
+        coordinate_sampling_rate=1.0, noise_multiplier=z,
+        l2_norm_clip=[0.3, 1.0, 4.0], linf_norm_clip=[0.1, None, 0.2])
+    reference = _poisson_gaussian_rdp(0.05, z_eff, INTEGER_ORDERS)
+    np.testing.assert_allclose(ours, reference, rtol=1e-8, atol=1e-15)
+
+
+@pytest.mark.parametrize('linf', [None, 0.3, 0.01])
+def test_no_sampling_is_the_gaussian(linf):
+    z = [0.7, 1.5]
+    c2 = [1.0, 0.5]
+    sigma = np.multiply(z, c2)
+    ours = twice_sampling_rdp(
+        DEFAULT_ORDERS, example_sampling_rate=1.0,
+        coordinate_sampling_rate=1.0, noise_multiplier=z, l2_norm_clip=c2,
+        linf_norm_clip=linf)
+    integer = np.ceil(DEFAULT_ORDERS)
+    expected = integer * np.sum(np.square(c2) / (2 * sigma ** 2))
+    np.testing.assert_allclose(ours, expected, rtol=1e-12)
+
+
+def test_fractional_orders_use_the_next_integer_order():
+    orders = np.array([1.1, 1.5, 2.0, 2.25, 3.7, 10.0, 10.5])
+    kwargs = dict(example_sampling_rate=0.02, coordinate_sampling_rate=0.4,
+                  noise_multiplier=0.9, linf_norm_clip=0.2)
+    ours = twice_sampling_rdp(orders, **kwargs)
+    at_ceiling = twice_sampling_rdp(np.ceil(orders), **kwargs)
+    np.testing.assert_array_equal(ours, at_ceiling)
+    # And it is an upper bound on dp_accounting's fractional-order values.
+    reference = _poisson_gaussian_rdp(0.02, 0.9, orders)
+    no_coordinate_sampling = twice_sampling_rdp(
+        orders, example_sampling_rate=0.02, coordinate_sampling_rate=1.0,
+        noise_multiplier=0.9, linf_norm_clip=None)
+    assert np.all(no_coordinate_sampling >= reference * (1 - 1e-10))
+
+
+# ---------------------------------------------------------------------------
+# Numerical integration of D_alpha(Q || P) for the dominating pair.
+
+
+def _d_alpha_1d(alpha, q1, q2, s, sigma):
+    """mpmath integral of Q^alpha P^(1-alpha), one coordinate of size s."""
+    mpmath.mp.dps = 30
+    q, s, sigma = mpmath.mpf(q1) * q2, mpmath.mpf(s), mpmath.mpf(sigma)
+
+    def integrand(x):
+        p = mpmath.npdf(x, 0, sigma)
+        ratio = 1 - q + q * mpmath.exp((2 * x * s - s * s) / (2 * sigma ** 2))
+        return p * ratio ** alpha
+
+    center = alpha * s
+    total = mpmath.quad(integrand, [-mpmath.inf, -40 * sigma, 0, center,
+                                    center + 40 * sigma, mpmath.inf])
+    return float(mpmath.log(total) / (alpha - 1))
+
+
+def _divergences_2d(alpha, q1, q2, s, sigma, nodes=160):
+    """Gauss-Hermite quadrature over two coordinates of sizes s = (s1, s2).
+
+    Returns (D_alpha(Q || P), D_alpha(P || Q)) for
+    P = N(0, sigma^2 I), Q = (1-q1) P + q1 prod_l [(1-q2) N(0) + q2 N(s_l)].
+    """
+    x, w = hermite_e.hermegauss(nodes)  # Weight exp(-x^2/2).
+    w = w / math.sqrt(2 * math.pi)
+    x1, x2 = np.meshgrid(x * sigma, x * sigma, indexing='ij')
+    weight = np.outer(w, w)
+    ratio = 1.0
+    for coordinate, size in ((x1, s[0]), (x2, s[1])):
+        ratio = ratio * (1 - q2 + q2 * np.exp(
+            (2 * coordinate * size - size * size) / (2 * sigma ** 2)))
+    ratio = 1 - q1 + q1 * ratio
+    forward = np.log(np.sum(weight * ratio ** alpha)) / (alpha - 1)
+    backward = np.log(np.sum(weight * ratio ** (1 - alpha))) / (alpha - 1)
+    return forward, backward
+
+
+@pytest.mark.parametrize('alpha', [2, 3, 5, 8])
+@pytest.mark.parametrize('q1,q2,sigma', [(0.1, 0.5, 1.0), (0.02, 0.3, 0.7),
+                                         (0.5, 0.9, 2.0)])
+def test_d0_one_matches_numerical_integration(alpha, q1, q2, sigma):
+    # d0 = 1: the whole l2 budget sits on one coordinate.
+    ours = twice_sampling_rdp(
+        [alpha], example_sampling_rate=q1, coordinate_sampling_rate=q2,
+        noise_multiplier=sigma, l2_norm_clip=1.0, linf_norm_clip=1.0)[0]
+    assert ours == pytest.approx(_d_alpha_1d(alpha, q1, q2, 1.0, sigma),
+                                 rel=1e-9)
+
+
+def test_one_dimensional_quadratures_agree():
+    # The 2-d quadrature with a zero second coordinate is the 1-d integral.
+    forward, _ = _divergences_2d(4, 0.1, 0.5, (1.0, 0.0), 1.0)
+    assert forward == pytest.approx(_d_alpha_1d(4, 0.1, 0.5, 1.0, 1.0),
+                                    rel=1e-9)
+
+
+@pytest.mark.parametrize('alpha', [2, 4, 6])
+@pytest.mark.parametrize('d0', [2.0, 1.5])
+@pytest.mark.parametrize('q1,q2,sigma', [(0.1, 0.5, 1.0), (0.3, 0.25, 0.8)])
+def test_d0_two_and_fractional_match_numerical_integration(
+        alpha, d0, q1, q2, sigma):
+    c2 = 1.0
+    cinf = c2 / math.sqrt(d0)
+    c_last = math.sqrt(max(c2 ** 2 - cinf ** 2, 0.0))  # n = 1 for d0 < 2.
+    ours = twice_sampling_rdp(
+        [alpha], example_sampling_rate=q1, coordinate_sampling_rate=q2,
+        noise_multiplier=sigma / c2, l2_norm_clip=c2,
+        linf_norm_clip=cinf)[0]
+    forward, backward = _divergences_2d(alpha, q1, q2, (cinf, c_last), sigma)
+    assert ours == pytest.approx(forward, rel=1e-8)
+    # The other direction is smaller, so the pair's RDP is the forward one.
+    assert backward <= forward
+
+
+@pytest.mark.parametrize('alpha', [3, 6])
+def test_dominating_sensitivity_beats_other_points_of_the_set(alpha):
+    # Any s with ||s||_2 <= c2 and ||s||_inf <= c_inf has a smaller
+    # divergence than the claimed worst case (remark after [COORD]).
+    q1, q2, sigma, c2, d0 = 0.2, 0.5, 0.9, 1.0, 1.6
+    cinf = c2 / math.sqrt(d0)
+    ours = twice_sampling_rdp(
+        [alpha], example_sampling_rate=q1, coordinate_sampling_rate=q2,
+        noise_multiplier=sigma, l2_norm_clip=c2, linf_norm_clip=cinf)[0]
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        s = rng.uniform(0, cinf, size=2)
+        s *= min(1.0, c2 / np.linalg.norm(s))
+        forward, _ = _divergences_2d(alpha, q1, q2, tuple(s), sigma)
+        assert forward <= ours * (1 + 1e-9)
+
+
+# ---------------------------------------------------------------------------
+# Structure.
+
+
+def _rdp(**overrides):
+    kwargs = dict(example_sampling_rate=0.05, coordinate_sampling_rate=0.5,
+                  noise_multiplier=1.0, l2_norm_clip=1.0, linf_norm_clip=0.1)
+    kwargs.update(overrides)
+    return twice_sampling_rdp(DEFAULT_ORDERS, **kwargs)
+
+
+@pytest.mark.parametrize('name,smaller,larger', [
+    ('example_sampling_rate', 0.01, 0.05),
+    ('coordinate_sampling_rate', 0.25, 0.5),
+    ('linf_norm_clip', 0.05, 0.1),
+    ('noise_multiplier', 2.0, 1.0),  # More noise, less privacy loss.
+])
+def test_monotone(name, smaller, larger):
+    low, high = _rdp(**{name: smaller}), _rdp(**{name: larger})
+    assert np.all(low <= high)
+    assert np.any(low < high)
+
+
+def test_nondecreasing_in_order():
+    values = _rdp()
+    assert np.all(np.diff(values) >= -1e-15)
+
+
+def test_coordinate_sampling_helps_and_twice_is_between():
+    twice = _rdp()
+    standard_at_q1 = _poisson_gaussian_rdp(0.05, 1.0, DEFAULT_ORDERS)
+    assert np.all(twice <= standard_at_q1 * (1 + 1e-12))
+
+
+def test_block_dimensions_tighten_small_blocks():
+    # d0 = 100 but the block has 30 coordinates: worst case is 30 at c_inf.
+    loose = _rdp(linf_norm_clip=0.1)
+    tight = _rdp(linf_norm_clip=0.1, block_dimensions=30)
+    assert np.all(tight <= loose) and np.any(tight < loose)
+    # 30 coordinates at 0.1 have the l2 norm of a block with c2 = sqrt(0.3)
+    # and d0 = 30 exactly.
+    same = _rdp(l2_norm_clip=math.sqrt(0.3), linf_norm_clip=0.1,
+                noise_multiplier=1.0 / math.sqrt(0.3))
+    np.testing.assert_allclose(tight, same, rtol=1e-10)
+    # A block larger than d0 is unaffected.
+    np.testing.assert_array_equal(_rdp(block_dimensions=1000), loose)
+
+
+def test_integer_d0_has_no_spurious_extra_coordinate():
+    # (1/0.1)^2 is 100.00000000000001 in floating point.
+    np.testing.assert_allclose(
+        _rdp(linf_norm_clip=0.1),
+        _rdp(l2_norm_clip=10.0, linf_norm_clip=1.0, noise_multiplier=1.0),
+        rtol=1e-12)
+
+
+def test_large_orders_stay_finite():
+    values = twice_sampling_rdp(
+        [2, 256, 1024, MAX_ORDER], example_sampling_rate=0.5,
+        coordinate_sampling_rate=0.5, noise_multiplier=0.3,
+        linf_norm_clip=0.2)
+    assert np.all(np.isfinite(values)) and np.all(values > 0)
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(example_sampling_rate=0.0), r'example_sampling_rate must be in \(0, 1\]'),
+    (dict(example_sampling_rate=1.5), r'example_sampling_rate must be in \(0, 1\]'),
+    (dict(coordinate_sampling_rate=-0.1), r'coordinate_sampling_rate must be in \(0, 1\]'),
+    (dict(noise_multiplier=0.0), r'noise_multiplier\[0\] must be a finite number > 0'),
+    (dict(noise_multiplier=math.inf), r'noise_multiplier\[0\] must be a finite number > 0'),
+    (dict(l2_norm_clip=-1.0), r'l2_norm_clip\[0\] must be a finite number > 0'),
+    (dict(linf_norm_clip=0.0), r'linf_norm_clip\[0\] must be a finite number > 0'),
+    (dict(noise_multiplier=[1.0, 2.0], l2_norm_clip=[1.0, 2.0, 3.0]),
+     'per-block arguments must have equal lengths'),
+    (dict(block_dimensions=0), r'block_dimensions\[0\] must be an integer >= 1'),
+    (dict(noise_multiplier='1.0'), 'noise_multiplier must be a number'),
+])
+def test_bad_arguments(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _rdp(**overrides)
+
+
+@pytest.mark.parametrize('orders', [[1.0], [0.5, 2.0], [MAX_ORDER + 1], [],
+                                    [math.nan], [math.inf]])
+def test_bad_orders(orders):
+    with pytest.raises(ValueError, match='orders must'):
+        twice_sampling_rdp(orders, example_sampling_rate=0.1,
+                           coordinate_sampling_rate=0.5, noise_multiplier=1.0,
+                           linf_norm_clip=0.1)
