@@ -1,0 +1,270 @@
+"""Training throughput and memory of the DP training paths, in one run.
+
+Reference model: Conv2D(16,3,relu)-MaxPool-Conv2D(32,3,relu)-MaxPool-Flatten-
+Dense(64,relu)-Dense(10) on 32x32x3 inputs (79,530 parameters), random data,
+CPU. Prints examples/second for
+
+  * non-private Keras ``fit``;
+  * tf_privacy's ``VectorizedDPKerasSGDOptimizer`` (O(B^2) Jacobian);
+  * ``TwiceSamplingDPKerasSGDOptimizer`` (same Jacobian, our aggregation);
+  * ``make_private`` (per-example vectorized_map) with q2 = 1;
+  * ``make_private`` with q2 = 0.5 and l-infinity clipping;
+
+and the ratios behind the targets: fast path >= 30x tf_privacy vectorized and
+>= 1/8 of non-private fit; twice sampling costs <= 15% over q2 = 1; peak memory
+of a 4096-example logical batch in 256-example microbatches <= 1.5x that of a
+single 256-example batch (each measured in its own subprocess).
+
+The fast configurations are timed in interleaved rounds and the median is
+reported, because other processes may share the CPU. Usage:
+
+  python benchmarks/training_benchmark.py            # full run
+  python benchmarks/training_benchmark.py --quick    # a minute or two
+"""
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+
+from tensorflow_privacy.privacy.optimizers import (  # noqa: E402
+    dp_optimizer_keras_vectorized as tfp_vectorized)
+
+from tf_twice.keras import make_private  # noqa: E402
+from tf_twice.optimizers import TwiceSamplingDPKerasSGDOptimizer  # noqa: E402
+
+IMAGE_SHAPE = (32, 32, 3)
+NUM_CLASSES = 10
+L2_CLIP, LINF_CLIP, NOISE = 1.0, 0.1, 1.0
+
+
+def reference_model() -> tf.keras.Model:
+    return tf.keras.Sequential([
+        tf.keras.layers.Conv2D(16, 3, activation='relu',
+                               input_shape=IMAGE_SHAPE),
+        tf.keras.layers.MaxPool2D(),
+        tf.keras.layers.Conv2D(32, 3, activation='relu'),
+        tf.keras.layers.MaxPool2D(),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(64, activation='relu'),
+        tf.keras.layers.Dense(NUM_CLASSES),
+    ])
+
+
+def _loss(per_example: bool):
+    reduction = (tf.keras.losses.Reduction.NONE if per_example
+                 else tf.keras.losses.Reduction.AUTO)
+    return tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=reduction)
+
+
+def _dataset(batch: int, num_batches: int) -> tf.data.Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.random((batch * num_batches,) + IMAGE_SHAPE, dtype=np.float32)
+    y = rng.integers(0, NUM_CLASSES, batch * num_batches)
+    return (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache()
+            .repeat())
+
+
+def build(name: str, batch: int) -> tf.keras.Model:
+    """Builds and compiles the model of one benchmark configuration."""
+    tf.keras.utils.set_random_seed(0)
+    model = reference_model()
+    if name == 'non-private fit':
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.05),
+                      loss=_loss(False))
+        return model
+    if name == 'tf_privacy vectorized':
+        model.compile(
+            optimizer=tfp_vectorized.VectorizedDPKerasSGDOptimizer(
+                l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
+                learning_rate=0.05),
+            loss=_loss(True))
+        return model
+    if name == 'our optimizer path':
+        model.compile(
+            optimizer=TwiceSamplingDPKerasSGDOptimizer(
+                l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
+                expected_batch_size=batch, learning_rate=0.05),
+            loss=_loss(True))
+        return model
+    if name.startswith('fast path'):
+        twice = 'q2=0.5' in name
+        private = make_private(
+            model, l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
+            expected_batch_size=batch, physical_batch_size=batch,
+            linf_norm_clip=LINF_CLIP if twice else None,
+            coordinate_sampling_rate=0.5 if twice else 1.0, seed=0)
+        private.compile(optimizer=tf.keras.optimizers.SGD(0.05),
+                        loss=_loss(False))
+        return private
+    raise ValueError(f'unknown configuration {name!r}')
+
+
+def time_fit(model: tf.keras.Model, dataset: tf.data.Dataset,
+             steps: int, batch: int) -> tuple:
+    """Examples per wall-clock second and per CPU second (all threads)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return steps * batch / wall, steps * batch / cpu
+
+
+def throughput(args) -> Dict[str, Dict[str, float]]:
+    """Median examples/second ('wall') and examples/CPU-second ('cpu')."""
+    batch = args.batch_size
+    dataset = _dataset(batch, 4)
+    fast = ['non-private fit', 'fast path q2=1',
+            'fast path q2=0.5 linf=0.1']
+    slow = [] if args.skip_slow else ['tf_privacy vectorized',
+                                      'our optimizer path']
+    results: Dict[str, List[tuple]] = {}
+    models = {}
+    for name in fast + slow:
+        models[name] = build(name, batch)
+        # The first fit traces (and compiles) the train function; a second
+        # short one warms up the rest.
+        models[name].fit(dataset, steps_per_epoch=1, epochs=1, verbose=0)
+        if name in fast:
+            models[name].fit(dataset, steps_per_epoch=2, epochs=1, verbose=0)
+    for name in slow:
+        results[name] = [time_fit(models[name], dataset, args.slow_steps,
+                                  batch)]
+        print(f'  {name}: {results[name][0][0]:.1f} ex/s', flush=True)
+    for r in range(args.rounds):
+        for name in fast:
+            results.setdefault(name, []).append(
+                time_fit(models[name], dataset, args.steps, batch))
+        print(f'  round {r + 1}: ' + ', '.join(
+            f'{n} {results[n][-1][0]:.0f}' for n in fast), flush=True)
+    return {
+        name: {'wall': statistics.median(w for w, _ in v),
+               'cpu': statistics.median(c for _, c in v)}
+        for name, v in results.items()
+    }
+
+
+def _rss_mb(field: str) -> float:
+    with open('/proc/self/status', encoding='ascii') as status:
+        for line in status:
+            if line.startswith(field + ':'):
+                return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def memory_child(logical: int, physical: int, steps: int) -> None:
+    """Trains on random logical batches; prints baseline and peak RSS (MB)."""
+    tf.keras.utils.set_random_seed(0)
+    private = make_private(
+        reference_model(), l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
+        expected_batch_size=logical, physical_batch_size=physical,
+        linf_norm_clip=LINF_CLIP, coordinate_sampling_rate=0.5, seed=0)
+    private.compile(optimizer=tf.keras.optimizers.SGD(0.05),
+                    loss=_loss(False))
+    dataset = tf.data.Dataset.range(steps).map(lambda _: (
+        tf.random.uniform((logical,) + IMAGE_SHAPE),
+        tf.random.uniform((logical,), 0, NUM_CLASSES, tf.int64)))
+    baseline = _rss_mb('VmRSS')
+    private.fit(dataset, epochs=1, verbose=0)
+    print(f'MEMORY {baseline:.1f} {_rss_mb("VmHWM"):.1f}')
+
+
+def measure_memory(logical: int, physical: int, steps: int) -> tuple:
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), '--memory-child',
+         '--logical', str(logical), '--physical', str(physical),
+         '--steps', str(steps)],
+        check=True, capture_output=True, text=True).stdout
+    line = [row for row in out.splitlines() if row.startswith('MEMORY')][-1]
+    baseline, peak = (float(v) for v in line.split()[1:])
+    return baseline, peak
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--batch-size', type=int, default=256)
+    parser.add_argument('--steps', type=int, default=10,
+                        help='timed steps per round of the fast configs')
+    parser.add_argument('--rounds', type=int, default=6)
+    parser.add_argument('--slow-steps', type=int, default=2,
+                        help='timed steps of the O(B^2) Jacobian paths')
+    parser.add_argument('--skip-slow', action='store_true',
+                        help='skip the two Jacobian-based optimizer paths')
+    parser.add_argument('--skip-memory', action='store_true')
+    parser.add_argument('--memory-logical', type=int, default=4096)
+    parser.add_argument('--memory-physical', type=int, default=256)
+    parser.add_argument('--quick', action='store_true',
+                        help='steps=8, rounds=2, slow-steps=1')
+    parser.add_argument('--memory-child', action='store_true',
+                        help=argparse.SUPPRESS)
+    parser.add_argument('--logical', type=int, help=argparse.SUPPRESS)
+    parser.add_argument('--physical', type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        memory_child(args.logical, args.physical, args.steps)
+        return
+    if args.quick:
+        args.steps, args.rounds, args.slow_steps = 8, 2, 1
+
+    print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, batch '
+          f'{args.batch_size}, parameters {reference_model().count_params()}'
+          '. Timings are medians over rounds; other processes may share '
+          'the CPU.')
+    measured = throughput(args)
+    speeds = {name: m['wall'] for name, m in measured.items()}
+    print('\nmedian examples/second (wall clock; per CPU-second in brackets)')
+    for name, m in measured.items():
+        print(f'  {name:28s} {m["wall"]:9.1f}  ({m["cpu"]:.1f})')
+
+    def ratio(a: str, b: str, check: Callable[[float], bool], target: str):
+        if a in speeds and b in speeds:
+            value = speeds[a] / speeds[b]
+            verdict = 'ok' if check(value) else 'MISSED'
+            print(f'  {a} / {b}: {value:.3f}  (target {target}: {verdict})')
+
+    print('\nratios (wall clock)')
+    for fast in ('fast path q2=1', 'fast path q2=0.5 linf=0.1'):
+        ratio(fast, 'tf_privacy vectorized', lambda v: v >= 30, '>= 30')
+        ratio(fast, 'non-private fit', lambda v: v >= 1 / 8, '>= 0.125')
+    ratio('our optimizer path', 'tf_privacy vectorized', lambda v: True,
+          'informative')
+    one, twice = 'fast path q2=1', 'fast path q2=0.5 linf=0.1'
+    if one in measured and twice in measured:
+        for clock in ('wall', 'cpu'):
+            overhead = measured[one][clock] / measured[twice][clock] - 1
+            verdict = 'ok' if overhead <= 0.15 else 'MISSED'
+            print(f'  twice-sampling overhead (q2=0.5, linf on, vs q2=1), '
+                  f'{clock} time: {100 * overhead:+.1f}%  '
+                  f'(target <= 15%: {verdict})')
+
+    if not args.skip_memory:
+        big = measure_memory(args.memory_logical, args.memory_physical, 2)
+        small = measure_memory(args.memory_physical, args.memory_physical,
+                               2)
+        print('\npeak memory (RSS, MB; baseline = after building the model)')
+        print(f'  logical {args.memory_logical} in microbatches of '
+              f'{args.memory_physical}: peak {big[1]:.0f} (baseline '
+              f'{big[0]:.0f})')
+        print(f'  single batch of {args.memory_physical}: peak '
+              f'{small[1]:.0f} (baseline {small[0]:.0f})')
+        ratio_total = big[1] / small[1]
+        ratio_growth = (big[1] - big[0]) / max(small[1] - small[0], 1.0)
+        verdict = 'ok' if ratio_total <= 1.5 else 'MISSED'
+        print(f'  peak ratio {ratio_total:.2f}  (target <= 1.5: {verdict}); '
+              f'growth-over-baseline ratio {ratio_growth:.2f}')
+
+
+if __name__ == '__main__':
+    main()

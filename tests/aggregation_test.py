@@ -1,0 +1,302 @@
+"""Tests of the clip-mask-noise-normalise aggregation."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_twice.mechanism import aggregation as agg
+
+SHAPES = [(3, 2), (5,), (1, 4, 3)]
+
+
+def _grads(batch, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return [(scale * rng.standard_normal((batch,) + s)).astype(np.float32)
+            for s in SHAPES]
+
+
+def _reference(grads, weights, masks, noise, c2, c_inf, z, exp_batch, q2):
+    """Numpy version of the whole aggregation for one logical batch."""
+    batch = grads[0].shape[0]
+    flat = np.concatenate([g.reshape(batch, -1) for g in grads], axis=1)
+    flat = flat.astype(np.float64)
+    norms = np.linalg.norm(flat, axis=1)
+    flat = flat * np.minimum(1.0, c2 / np.maximum(norms, 1e-300))[:, None]
+    if c_inf is not None:
+        flat = np.clip(flat, -c_inf, c_inf)
+    m = np.concatenate([mk.reshape(batch, -1) for mk in masks], axis=1)
+    total = (weights[:, None] * m * flat).sum(axis=0)
+    total += z * c2 * np.concatenate([e.reshape(-1) for e in noise])
+    total /= exp_batch * q2
+    out, start = [], 0
+    for s in SHAPES:
+        size = int(np.prod(s))
+        out.append(total[start:start + size].reshape(s))
+        start += size
+    return out
+
+
+def test_matches_numpy_reference():
+    batch, c2, c_inf, z, q2, exp_batch = 7, 1.5, 0.4, 0.8, 0.5, 9.0
+    grads = _grads(batch, scale=2.0)
+    rng = np.random.default_rng(1)
+    weights = np.array([1, 1, 0, 1, 1, 0, 1], np.float32)
+    masks = [rng.random((batch,) + s) < q2 for s in SHAPES]
+    noise = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    sums = agg.clipped_masked_sum(
+        grads, l2_norm_clip=c2, linf_norm_clip=c_inf,
+        coordinate_sampling_rate=q2, weights=weights, masks=masks)
+    update = agg.add_noise_and_normalize(
+        sums, l2_norm_clip=c2, noise_multiplier=z,
+        expected_batch_size=exp_batch, coordinate_sampling_rate=q2,
+        noise=noise)
+    expected = _reference(grads, weights, masks, noise, c2, c_inf, z,
+                          exp_batch, q2)
+    for got, want in zip(update, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('c_inf', [None, 0.3])
+def test_generated_masks_match_reference(c_inf):
+    batch, q2 = 6, 0.25
+    grads = _grads(batch, seed=3, scale=3.0)
+    key = agg.draw_step_key(tf.random.Generator.from_seed(5))
+    masks = agg.coordinate_masks(key, SHAPES, q2, batch)
+    sums = agg.clipped_masked_sum(
+        grads, l2_norm_clip=1.0, linf_norm_clip=c_inf,
+        coordinate_sampling_rate=q2, key=key)
+    noise = agg.standard_normal_noise(key, SHAPES, [tf.float32] * 3)
+    update = agg.add_noise_and_normalize(
+        sums, l2_norm_clip=1.0, noise_multiplier=2.0, expected_batch_size=4,
+        coordinate_sampling_rate=q2, key=key)
+    expected = _reference(grads, np.ones(batch), [m.numpy() for m in masks],
+                          [e.numpy() for e in noise], 1.0, c_inf, 2.0, 4, q2)
+    for got, want in zip(update, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('q2, c_inf, dtype', [
+    (0.5, 0.3, np.float32), (0.25, None, np.float32),
+    (1 / 3, 0.2, np.float64), (1.0, 0.2, np.float32)])
+def test_fused_kernel_equals_unfused(q2, c_inf, dtype):
+    grads = [g.astype(dtype) for g in _grads(9, seed=10, scale=2.0)]
+    key = agg.draw_step_key(tf.random.Generator.from_seed(2))
+    kwargs = dict(l2_norm_clip=1.0, linf_norm_clip=c_inf,
+                  coordinate_sampling_rate=q2, key=key, example_offset=5,
+                  weights=np.linspace(0, 1, 9).astype(dtype))
+    fused = agg.clipped_masked_sum(grads, jit_compile=True, **kwargs)
+    plain = agg.clipped_masked_sum(grads, jit_compile=False, **kwargs)
+    for a, b in zip(fused, plain):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6,
+                                   atol=1e-7)
+
+
+def test_linf_clip_applies_after_l2_clip():
+    # One example with a single large coordinate: the l2 clip scales it to
+    # c2, then the l-infinity clip cuts it to c_inf.
+    g = [np.zeros((1, 3, 2), np.float32), np.zeros((1, 5), np.float32),
+         np.zeros((1, 1, 4, 3), np.float32)]
+    g[1][0, 2] = 10.0
+    g[1][0, 3] = 0.5
+    sums = agg.clipped_masked_sum(g, l2_norm_clip=2.0, linf_norm_clip=0.15)
+    scaled = 2.0 / math.hypot(10.0, 0.5)
+    np.testing.assert_allclose(
+        sums[1].numpy(), [0, 0, 0.15, min(0.5 * scaled, 0.15), 0], rtol=1e-6)
+
+
+def test_padding_contributes_nothing():
+    grads = _grads(5, scale=4.0)
+    real = agg.clipped_masked_sum([g[:3] for g in grads], l2_norm_clip=1.0,
+                                  linf_norm_clip=0.2)
+    padded = agg.clipped_masked_sum(
+        grads, l2_norm_clip=1.0, linf_norm_clip=0.2,
+        weights=np.array([1, 1, 1, 0, 0], np.float32))
+    for a, b in zip(real, padded):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize('bad', [np.nan, np.inf, -np.inf])
+def test_non_finite_example_is_dropped(bad):
+    grads = _grads(4, seed=2)
+    poisoned = [g.copy() for g in grads]
+    poisoned[2][1, 0, 3, 1] = bad  # example 1
+    good = [np.delete(g, 1, axis=0) for g in grads]
+    want = agg.clipped_masked_sum(good, l2_norm_clip=0.7, linf_norm_clip=0.3)
+    got = agg.clipped_masked_sum(poisoned, l2_norm_clip=0.7,
+                                 linf_norm_clip=0.3)
+    for a, b in zip(want, got):
+        assert np.all(np.isfinite(b.numpy()))
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+
+
+def test_weights_outside_unit_interval_are_refused():
+    grads = _grads(3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match='in \\[0, 1\\]'):
+        agg.clipped_masked_sum(grads, l2_norm_clip=1.0,
+                               weights=np.array([1, 2, 1], np.float32))
+
+
+@pytest.mark.parametrize('q2', [0.5, 0.25, 1 / 3])
+def test_masks_do_not_depend_on_chunking(q2):
+    key = agg.draw_step_key(tf.random.Generator.from_seed(11))
+    full = agg.coordinate_masks(key, SHAPES, q2, 10)
+    parts = [agg.coordinate_masks(key, SHAPES, q2, size, offset)
+             for offset, size in [(0, 3), (3, 4), (7, 3)]]
+    for k in range(len(SHAPES)):
+        joined = np.concatenate([p[k].numpy() for p in parts])
+        np.testing.assert_array_equal(full[k].numpy(), joined)
+    # And the chunked sums add up to the one-chunk sum.
+    grads = _grads(10, seed=4)
+    kwargs = dict(l2_norm_clip=1.0, linf_norm_clip=0.3,
+                  coordinate_sampling_rate=q2, key=key)
+    whole = agg.clipped_masked_sum(grads, **kwargs)
+    chunked = [agg.clipped_masked_sum([g[a:b] for g in grads],
+                                      example_offset=a, **kwargs)
+               for a, b in [(0, 3), (3, 7), (7, 10)]]
+    for k in range(len(SHAPES)):
+        np.testing.assert_allclose(
+            whole[k].numpy(), sum(c[k].numpy() for c in chunked), rtol=1e-5,
+            atol=1e-6)
+
+
+@pytest.mark.parametrize('q2', [0.5, 0.75, 1 / 16, 3 / 256, 1 / 3, 0.05])
+def test_mask_rate(q2):
+    # 400 x 1000 Bernoulli draws: the kept fraction is within 5 standard
+    # errors of the realised rate, which is within 2**-16 of q2.
+    rate = agg.effective_coordinate_sampling_rate(q2)
+    assert 0 <= q2 - rate < 2.0**-16
+    key = agg.draw_step_key(tf.random.Generator.from_seed(7))
+    masks = agg.coordinate_masks(key, [(1000,), (1000,)], q2, 400)
+    kept = masks[0].numpy()
+    n = kept.size
+    stderr = math.sqrt(rate * (1 - rate) / n)
+    assert abs(kept.mean() - rate) < 5 * stderr
+    # Different variables and examples get different draws.
+    assert not np.array_equal(kept, masks[1].numpy())
+    assert not np.array_equal(kept[0], kept[1])
+
+
+def test_noiseless_update_is_unbiased():
+    # E[update] = mean clipped gradient when expected_batch_size = B. Over T
+    # steps each coordinate's average has standard error
+    # sqrt(sum_i c_i^2 q2 (1 - q2)) / (B q2 sqrt(T)); allow 5 of them.
+    batch, q2, steps = 6, 0.3, 400
+    rate = agg.effective_coordinate_sampling_rate(q2)
+    grads = _grads(batch, seed=8, scale=0.5)
+    gen = tf.random.Generator.from_seed(9)
+
+    @tf.function
+    def one_step():
+        key = agg.draw_step_key(gen)
+        sums = agg.clipped_masked_sum(
+            grads, l2_norm_clip=1.0, linf_norm_clip=0.25,
+            coordinate_sampling_rate=q2, key=key)
+        return agg.add_noise_and_normalize(
+            sums, l2_norm_clip=1.0, noise_multiplier=0.0,
+            expected_batch_size=batch, coordinate_sampling_rate=q2)
+
+    total = [np.zeros(s) for s in SHAPES]
+    for _ in range(steps):
+        for acc, u in zip(total, one_step()):
+            acc += u.numpy()
+    ones = [np.ones((batch,) + s, bool) for s in SHAPES]
+    clipped = _reference(grads, np.ones(batch), ones,
+                         [np.zeros(s) for s in SHAPES], 1.0, 0.25, 0.0, 1.0,
+                         1.0)  # sum of clipped gradients
+    flat = np.concatenate([g.reshape(batch, -1) for g in grads], axis=1)
+    flat = flat * np.minimum(1, 1.0 / np.linalg.norm(flat, axis=1))[:, None]
+    flat = np.clip(flat, -0.25, 0.25)
+    stderr = (np.sqrt((flat**2).sum(0) * rate * (1 - rate))
+              / (batch * rate * math.sqrt(steps)))
+    mean = np.concatenate([t.reshape(-1) for t in total]) / steps
+    want = np.concatenate([c.reshape(-1) for c in clipped]) / batch
+    assert np.all(np.abs(mean - want) <= 5 * stderr + 1e-7)
+
+
+def test_noise_std_and_normalisation():
+    # Zero gradients: the update is pure noise with std z c2 / (B_exp q2).
+    # With n = 120,000 draws the sample std has relative standard error
+    # 1 / sqrt(2 n) ~ 0.2%; allow 5 of them.
+    z, c2, exp_batch, q2 = 1.3, 0.7, 50.0, 0.25
+    shapes = [(300, 200), (60000,)]
+    zeros = [np.zeros((2,) + s, np.float32) for s in shapes]
+    key = agg.draw_step_key(tf.random.Generator.from_seed(13))
+    sums = agg.clipped_masked_sum(zeros, l2_norm_clip=c2,
+                                  coordinate_sampling_rate=q2, key=key)
+    update = agg.add_noise_and_normalize(
+        sums, l2_norm_clip=c2, noise_multiplier=z,
+        expected_batch_size=exp_batch, coordinate_sampling_rate=q2, key=key)
+    values = np.concatenate([u.numpy().reshape(-1) for u in update])
+    n = values.size
+    sigma = z * c2 / (exp_batch * q2)
+    assert abs(values.std() / sigma - 1) < 5 / math.sqrt(2 * n)
+    assert abs(values.mean()) < 5 * sigma / math.sqrt(n)
+    # The two variables use independent streams.
+    assert abs(np.corrcoef(update[0].numpy().reshape(-1)[:60000],
+                           update[1].numpy())[0, 1]) < 5 / math.sqrt(60000)
+
+
+def test_same_key_same_result_and_new_key_differs():
+    grads = _grads(5, seed=6)
+    gen = tf.random.Generator.from_seed(1)
+    k1, k2 = agg.draw_step_key(gen), agg.draw_step_key(gen)
+    kwargs = dict(l2_norm_clip=1.0, coordinate_sampling_rate=0.5)
+    a = agg.clipped_masked_sum(grads, key=k1, **kwargs)
+    b = agg.clipped_masked_sum(grads, key=k1, **kwargs)
+    c = agg.clipped_masked_sum(grads, key=k2, **kwargs)
+    np.testing.assert_array_equal(a[0].numpy(), b[0].numpy())
+    assert not np.array_equal(a[0].numpy(), c[0].numpy())
+
+
+def test_randomness_is_required():
+    grads = _grads(2)
+    with pytest.raises(ValueError, match='key'):
+        agg.clipped_masked_sum(grads, l2_norm_clip=1.0,
+                               coordinate_sampling_rate=0.5)
+    with pytest.raises(ValueError, match='key'):
+        agg.add_noise_and_normalize([g[0] for g in grads], l2_norm_clip=1.0,
+                                    noise_multiplier=1.0,
+                                    expected_batch_size=2)
+
+
+@pytest.mark.parametrize('kwargs, name', [
+    (dict(l2_norm_clip=0.0), 'l2_norm_clip'),
+    (dict(l2_norm_clip=float('nan')), 'l2_norm_clip'),
+    (dict(linf_norm_clip=-1.0), 'linf_norm_clip'),
+    (dict(noise_multiplier=-0.1), 'noise_multiplier'),
+    (dict(coordinate_sampling_rate=0.0), 'coordinate_sampling_rate'),
+    (dict(coordinate_sampling_rate=1.5), 'coordinate_sampling_rate'),
+    (dict(coordinate_sampling_rate=1e-6), 'coordinate_sampling_rate'),
+    (dict(expected_batch_size=0), 'expected_batch_size'),
+    (dict(expected_batch_size='8'), 'expected_batch_size'),
+])
+def test_invalid_parameters_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        agg.validate_params(**kwargs)
+    full = dict(l2_norm_clip=1.0, noise_multiplier=1.0,
+                expected_batch_size=4.0)
+    full.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        agg.AggregationParams(**full)
+
+
+def test_mask_bits_per_coordinate():
+    assert agg.mask_bits_per_coordinate(0.5) == 1
+    assert agg.mask_bits_per_coordinate(0.75) == 2
+    assert agg.mask_bits_per_coordinate(1 / 16) == 4
+    assert agg.mask_bits_per_coordinate(3 / 256) == 8
+    assert agg.mask_bits_per_coordinate(1 / 3) == 16
+
+
+def test_effective_rate():
+    assert agg.effective_coordinate_sampling_rate(1.0) == 1.0
+    assert agg.effective_coordinate_sampling_rate(0.5) == 0.5
+    assert agg.effective_coordinate_sampling_rate(0.25) == 0.25
+    assert agg.effective_coordinate_sampling_rate(1 / 3) == 21845 / 65536
+
+
+if __name__ == '__main__':
+    raise SystemExit(pytest.main([__file__]))

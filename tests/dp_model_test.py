@@ -1,0 +1,256 @@
+"""Tests of the per-example (fast) training path, DPModel."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_twice import optimizers
+from tf_twice.keras import DPModel, make_private
+from tf_twice.mechanism import aggregation as agg
+
+NUM_FEATURES, NUM_CLASSES = 4, 3
+
+
+def _data(batch, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, NUM_FEATURES)).astype(np.float32)
+    y = rng.integers(0, NUM_CLASSES, batch)
+    return x, y
+
+
+def _mlp(seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([
+        tf.keras.layers.Dense(5, activation='tanh',
+                              input_shape=(NUM_FEATURES,)),
+        tf.keras.layers.Dense(NUM_CLASSES),
+    ])
+
+
+def _linear(seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([
+        tf.keras.layers.Dense(NUM_CLASSES, input_shape=(NUM_FEATURES,),
+                              kernel_initializer='random_normal',
+                              bias_initializer='random_normal')])
+
+
+def _loss(**kwargs):
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                         **kwargs)
+
+
+def _private(model, lr=0.3, metrics=None, **dp_kwargs):
+    dp = make_private(model, **dp_kwargs)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(lr), loss=_loss(),
+               metrics=metrics)
+    return dp
+
+
+def _weights(model):
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def _assert_all_close(a_list, b_list, **kwargs):
+    kwargs = {'rtol': 1e-5, 'atol': 1e-6, **kwargs}
+    for a, b in zip(a_list, b_list):
+        np.testing.assert_allclose(a, b, **kwargs)
+
+
+def _twin_key(generator):
+    # Generator.from_state on the variable itself would share it; copy it.
+    twin = tf.random.Generator.from_state(generator.state.numpy(),
+                                          generator.algorithm)
+    return agg.draw_step_key(twin)
+
+
+DP = dict(l2_norm_clip=0.6, linf_norm_clip=0.15, noise_multiplier=1.0,
+          coordinate_sampling_rate=0.5, expected_batch_size=6.0, seed=17)
+
+
+@pytest.mark.parametrize('physical_batch_size', [8, 3])
+def test_fast_path_equals_optimizer_path(physical_batch_size):
+    x, y = _data(8)
+    reference = _mlp()
+    reference.compile(
+        optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            learning_rate=0.3, **DP),
+        loss=_loss(reduction=tf.keras.losses.Reduction.NONE))
+    reference.train_on_batch(x, y)
+    dp = _private(_mlp(), physical_batch_size=physical_batch_size, **DP)
+    dp.train_on_batch(x, y)
+    assert not np.allclose(_weights(dp)[0], _weights(_mlp())[0])
+    _assert_all_close(_weights(dp), _weights(reference))
+
+
+def _numpy_step(w, b, x, y, weights, masks, noise, c2, c_inf, z, exp_batch,
+                q2, lr):
+    """The whole DP-SGD step for softmax regression, in numpy."""
+    logits = x @ w + b
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    delta = p - np.eye(NUM_CLASSES)[y]
+    grads = [x[:, :, None] * delta[:, None, :], delta]
+    flat = np.concatenate([g.reshape(len(x), -1) for g in grads], axis=1)
+    flat = flat * np.minimum(1.0, c2 / np.linalg.norm(flat, axis=1))[:, None]
+    flat = np.clip(flat, -c_inf, c_inf)
+    m = np.concatenate([k.reshape(len(x), -1) for k in masks], axis=1)
+    total = (weights[:, None] * m * flat).sum(0)
+    total += z * c2 * np.concatenate([e.reshape(-1) for e in noise])
+    update = total / (exp_batch * q2)
+    return w - lr * update[:w.size].reshape(w.shape), b - lr * update[w.size:]
+
+
+def test_whole_step_matches_numpy_reference():
+    x, y = _data(7, seed=3)
+    weights = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)
+    dp = _private(_linear(), physical_batch_size=3, **DP)
+    w0, b0 = _weights(dp)
+    key = _twin_key(dp.dp_generator)
+    shapes = [w0.shape, b0.shape]
+    masks = [m.numpy() for m in agg.coordinate_masks(key, shapes, 0.5, 7)]
+    noise = [e.numpy() for e in agg.standard_normal_noise(
+        key, shapes, [tf.float32] * 2)]
+    dp.train_on_batch(x, y, sample_weight=weights)
+    want = _numpy_step(w0, b0, x, y, weights, masks, noise, 0.6, 0.15, 1.0,
+                       6.0, 0.5, 0.3)
+    _assert_all_close(_weights(dp), want)
+
+
+def test_microbatching_does_not_change_the_update():
+    x, y = _data(10, seed=4)
+    results = []
+    for physical in (3, 16):  # 4 chunks (2 rows padding) vs 1 chunk
+        dp = _private(_mlp(), physical_batch_size=physical, **DP)
+        dp.train_on_batch(x, y)
+        results.append(_weights(dp))
+    for other in results[1:]:
+        _assert_all_close(results[0], other)
+
+
+def test_empty_logical_batch_is_a_pure_noise_step():
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    initial = _weights(dp)
+    key = _twin_key(dp.dp_generator)
+    noise = agg.standard_normal_noise(
+        key, [w.shape for w in initial], [tf.float32] * len(initial))
+    empty = (np.zeros((0, NUM_FEATURES), np.float32), np.zeros((0,), np.int64))
+    logs = dp.train_on_batch(*empty, return_dict=True)
+    scale = 0.3 * 1.0 * 0.6 / (6.0 * 0.5)  # lr * z * c2 / (B_exp * q2)
+    want = [w - scale * e.numpy() for w, e in zip(initial, noise)]
+    _assert_all_close(_weights(dp), want)
+    assert logs['loss'] == 0.0
+
+
+def test_no_retracing_for_new_batch_sizes():
+    traces = []
+
+    class CountingDPModel(DPModel):
+
+        def train_step(self, data):
+            traces.append(1)  # runs once per trace, not per step
+            return super().train_step(data)
+
+    x, y = _data(9)
+    sizes = [5, 3, 0, 9, 4]
+    dataset = tf.data.Dataset.from_generator(
+        lambda: ((x[:s], y[:s]) for s in sizes),
+        output_signature=(tf.TensorSpec([None, NUM_FEATURES], tf.float32),
+                          tf.TensorSpec([None], tf.int64)))
+    dp = CountingDPModel(_mlp(), physical_batch_size=4, **DP)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=_loss())
+    history = dp.fit(dataset, epochs=2, verbose=0)
+    # tf.function traces twice when its first trace creates variables (the
+    # optimizer's); the count must not grow with the number of batch sizes.
+    first = len(traces)
+    assert first <= 2
+    assert np.all(np.isfinite(history.history['loss']))
+    sizes[:] = [1, 7, 2, 0, 8, 6]
+    dp.fit(dataset, epochs=1, verbose=0)
+    assert len(traces) == first
+
+
+def test_metrics_are_over_real_examples():
+    x, y = _data(6, seed=5)
+    weights = np.array([1, 0, 1, 1, 0, 1], np.float32)
+    model = _mlp()
+    logits = model(x).numpy()
+    per_example = _loss(reduction=tf.keras.losses.Reduction.NONE)(
+        y, logits).numpy()
+    real = weights == 1
+    want_loss = per_example[real].mean()
+    want_acc = (logits.argmax(1) == y)[real].mean()
+    dp = _private(model, physical_batch_size=4, metrics=['accuracy'], **DP)
+    logs = dp.train_on_batch(x, y, sample_weight=weights, return_dict=True)
+    np.testing.assert_allclose(logs['loss'], want_loss, rtol=1e-5)
+    np.testing.assert_allclose(logs['accuracy'], want_acc, rtol=1e-6)
+    assert set(logs) == {'loss', 'accuracy'}
+    evaluated = dp.evaluate(x, y, verbose=0, return_dict=True)
+    assert set(evaluated) == {'loss', 'accuracy'}
+
+
+def test_non_finite_example_is_dropped():
+    x, y = _data(6, seed=6)
+    poisoned = x.copy()
+    poisoned[3, 0] = np.inf
+    dp_kwargs = dict(DP, noise_multiplier=0.0)
+    dp = _private(_mlp(), physical_batch_size=4, **dp_kwargs)
+    dp.train_on_batch(poisoned, y)
+    # The same batch with example 3 given weight 0 has the same masks.
+    ref = _private(_mlp(), physical_batch_size=4, **dp_kwargs)
+    ref.train_on_batch(x, y, sample_weight=np.array([1, 1, 1, 0, 1, 1]))
+    assert all(np.all(np.isfinite(w)) for w in _weights(dp))
+    _assert_all_close(_weights(dp), _weights(ref))
+
+
+def test_weights_above_one_are_refused():
+    x, y = _data(4)
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    with pytest.raises(tf.errors.InvalidArgumentError, match='in \\[0, 1\\]'):
+        dp.train_on_batch(x, y, sample_weight=np.array([1, 2, 1, 1]))
+
+
+def test_batch_norm_is_refused():
+    inner = tf.keras.Sequential([
+        tf.keras.layers.Dense(3, input_shape=(NUM_FEATURES,)),
+        tf.keras.layers.BatchNormalization()])
+    outer = tf.keras.Sequential([inner, tf.keras.layers.Dense(2)])
+    # The check itself is tested in guards_test; here: the model path runs it.
+    with pytest.raises(ValueError, match='GroupNormalization'):
+        make_private(outer, physical_batch_size=4, **DP)
+
+
+def test_dp_optimizer_is_refused():
+    dp = make_private(_mlp(), physical_batch_size=4, **DP)
+    with pytest.raises(ValueError, match='plain Keras optimizer'):
+        dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4),
+            loss=_loss())
+
+
+@pytest.mark.parametrize('kwargs, name', [
+    (dict(physical_batch_size=0), 'physical_batch_size'),
+    (dict(physical_batch_size=2.5), 'physical_batch_size'),
+    (dict(coordinate_sampling_rate=2.0), 'coordinate_sampling_rate'),
+    (dict(linf_norm_clip=0.0), 'linf_norm_clip'),
+])
+def test_invalid_arguments(kwargs, name):
+    full = dict(DP, physical_batch_size=4)
+    full.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        make_private(_mlp(), **full)
+
+
+def test_config_round_trip_and_weights():
+    dp = make_private(_mlp(), physical_batch_size=4, **DP)
+    assert len(dp.weights) == len(dp.inner_model.weights)
+    config = dp.get_config()
+    clone = DPModel.from_config(config)
+    assert clone.get_config()['physical_batch_size'] == 4
+    for key in ('l2_norm_clip', 'linf_norm_clip', 'noise_multiplier',
+                'coordinate_sampling_rate', 'expected_batch_size', 'seed'):
+        assert clone.get_config()[key] == config[key]
+
+
+if __name__ == '__main__':
+    raise SystemExit(pytest.main([__file__]))

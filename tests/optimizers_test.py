@@ -1,0 +1,262 @@
+"""Tests of the twice-sampling Keras optimizers."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_privacy.privacy.optimizers import (
+    dp_optimizer_keras_vectorized as tfp_vectorized)
+
+from tf_twice import optimizers
+from tf_twice.mechanism import aggregation as agg
+
+NUM_FEATURES, NUM_CLASSES, BATCH = 4, 3, 6
+
+
+def _data(batch=BATCH, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, NUM_FEATURES)).astype(np.float32)
+    y = rng.integers(0, NUM_CLASSES, batch)
+    return x, y
+
+
+def _mlp(seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([
+        tf.keras.layers.Dense(5, activation='tanh',
+                              input_shape=(NUM_FEATURES,)),
+        tf.keras.layers.Dense(NUM_CLASSES),
+    ])
+
+
+def _linear(seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([
+        tf.keras.layers.Dense(NUM_CLASSES, input_shape=(NUM_FEATURES,),
+                              kernel_initializer='random_normal',
+                              bias_initializer='random_normal')])
+
+
+def _vector_loss():
+    return tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+
+
+def _one_step(model, optimizer, x, y):
+    model.compile(optimizer=optimizer, loss=_vector_loss())
+    model.train_on_batch(x, y)
+    return [v.numpy() for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize('num_microbatches', [None, 3])
+def test_matches_tf_privacy_vectorized_without_noise(num_microbatches):
+    x, y = _data()
+    records = BATCH if num_microbatches is None else num_microbatches
+    theirs = _one_step(
+        _mlp(), tfp_vectorized.VectorizedDPKerasSGDOptimizer(
+            l2_norm_clip=0.3, noise_multiplier=0.0,
+            num_microbatches=num_microbatches, learning_rate=0.5), x, y)
+    ours = _one_step(
+        _mlp(), optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            l2_norm_clip=0.3, noise_multiplier=0.0,
+            expected_batch_size=records, num_microbatches=num_microbatches,
+            learning_rate=0.5), x, y)
+    initial = [v.numpy() for v in _mlp().trainable_variables]
+    for a, b, w0 in zip(theirs, ours, initial):
+        assert not np.allclose(a, w0)  # the step did something
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _softmax_per_example_grads(w, b, x, y):
+    logits = x @ w + b
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    delta = p - np.eye(NUM_CLASSES)[y]
+    return [x[:, :, None] * delta[:, None, :], delta]
+
+
+def numpy_step(w, b, x, y, weights, masks, noise, c2, c_inf, z, exp_batch,
+               q2, lr):
+    """The whole DP-SGD step for softmax regression, in numpy."""
+    grads = _softmax_per_example_grads(w, b, x, y)
+    flat = np.concatenate([g.reshape(len(x), -1) for g in grads], axis=1)
+    norms = np.linalg.norm(flat, axis=1)
+    flat = flat * np.minimum(1.0, c2 / norms)[:, None]
+    if c_inf is not None:
+        flat = np.clip(flat, -c_inf, c_inf)
+    m = np.concatenate([k.reshape(len(x), -1) for k in masks], axis=1)
+    total = (weights[:, None] * m * flat).sum(0)
+    total += z * c2 * np.concatenate([e.reshape(-1) for e in noise])
+    update = total / (exp_batch * q2)
+    return w - lr * update[:w.size].reshape(w.shape), b - lr * update[w.size:]
+
+
+def test_whole_step_matches_numpy_reference():
+    x, y = _data(seed=1)
+    c2, c_inf, z, exp_batch, q2, lr = 0.8, 0.2, 0.7, 5.0, 0.5, 0.3
+    model = _linear()
+    w0, b0 = [v.numpy() for v in model.trainable_variables]
+    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        l2_norm_clip=c2, linf_norm_clip=c_inf, noise_multiplier=z,
+        coordinate_sampling_rate=q2, expected_batch_size=exp_batch, seed=42,
+        learning_rate=lr)
+    twin = tf.random.Generator.from_state(opt.dp_generator.state.numpy(),
+                                          opt.dp_generator.algorithm)
+    key = agg.draw_step_key(twin)
+    shapes = [w0.shape, b0.shape]
+    masks = [m.numpy() for m in agg.coordinate_masks(key, shapes, q2, BATCH)]
+    noise = [e.numpy() for e in agg.standard_normal_noise(
+        key, shapes, [tf.float32] * 2)]
+    w1, b1 = _one_step(model, opt, x, y)
+    w_ref, b_ref = numpy_step(w0, b0, x, y, np.ones(BATCH), masks, noise, c2,
+                              c_inf, z, exp_batch, q2, lr)
+    np.testing.assert_allclose(w1, w_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b1, b_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_sample_weight_zero_rows_are_padding():
+    x, y = _data()
+    kwargs = dict(l2_norm_clip=0.5, linf_norm_clip=0.1, noise_multiplier=1.0,
+                  coordinate_sampling_rate=0.5, expected_batch_size=4,
+                  seed=3, learning_rate=0.2)
+    model = _mlp()
+    model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        **kwargs), loss=_vector_loss())
+    model.train_on_batch(x, y, sample_weight=np.array([1, 1, 1, 1, 0, 0]))
+    ref = _mlp()
+    ref.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        **kwargs), loss=_vector_loss())
+    ref.train_on_batch(x[:4], y[:4])
+    for a, b in zip(model.trainable_variables, ref.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_non_finite_gradients_do_not_poison_the_update():
+    # tape.jacobian back-propagates every example's loss through the whole
+    # batch, so a NaN input turns every row of the Jacobian non-finite (0 *
+    # NaN); all examples are then dropped and the noiseless update is zero.
+    # (The per-example model path drops only the bad example.)
+    x, y = _data()
+    poisoned = x.copy()
+    poisoned[2, 1] = np.nan
+    model = _mlp()
+    initial = [v.numpy() for v in model.trainable_variables]
+    got = _one_step(model, optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        l2_norm_clip=0.5, noise_multiplier=0.0, expected_batch_size=BATCH,
+        learning_rate=0.2), poisoned, y)
+    for a, b in zip(got, initial):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_scalar_loss_is_refused():
+    x, y = _data()
+    model = _mlp()
+    model.compile(
+        optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=6),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match='per-example'):
+        model.train_on_batch(x, y)
+
+
+def test_gradient_accumulation_applies_the_mean_of_released_steps():
+    # Every step is its own DP release; the weights move every k-th step by
+    # the mean of the k released gradients (tf_privacy's semantics).
+    x, y = _data(batch=8, seed=2)
+    kwargs = dict(l2_norm_clip=0.4, linf_norm_clip=0.1, noise_multiplier=0.0,
+                  expected_batch_size=4, learning_rate=0.3)
+    model = _mlp()
+    model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        gradient_accumulation_steps=2, **kwargs), loss=_vector_loss())
+    initial = [v.numpy() for v in model.trainable_variables]
+    model.train_on_batch(x[:4], y[:4])
+    for a, b in zip(initial, model.trainable_variables):
+        np.testing.assert_array_equal(a, b.numpy())
+    model.train_on_batch(x[4:], y[4:])
+    accumulated = [v.numpy() for v in model.trainable_variables]
+    # Noiseless: the mean of two steps normalised by 4 each equals one step
+    # over all 8 examples normalised by 8.
+    one_batch = _one_step(_mlp(), optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        **dict(kwargs, expected_batch_size=8)), x, y)
+    for a, b in zip(accumulated, one_batch):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The accumulators were reset: the next step starts from zero.
+    model.train_on_batch(x[:4], y[:4])
+    for a, b in zip(accumulated, model.trainable_variables):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_gradient_accumulation_noise_std():
+    # With zero gradients, two accumulation steps release two independent
+    # noise draws of std z c2 / (B_exp q2); the update is their mean.
+    z, c2, exp_batch, q2, lr = 2.0, 0.5, 10.0, 0.5, 1.0
+    model = tf.keras.Sequential([tf.keras.layers.Dense(
+        400, input_shape=(50,), kernel_initializer='zeros')])
+    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        l2_norm_clip=c2, noise_multiplier=z, expected_batch_size=exp_batch,
+        coordinate_sampling_rate=q2, gradient_accumulation_steps=2, seed=0,
+        learning_rate=lr)
+    model.compile(optimizer=opt, loss=tf.keras.losses.MeanSquaredError(
+        reduction=tf.keras.losses.Reduction.NONE))
+    x = np.zeros((4, 50), np.float32)
+    model.train_on_batch(x, np.zeros((4, 400)))
+    model.train_on_batch(x, np.zeros((4, 400)))
+    values = model.trainable_variables[0].numpy().reshape(-1)
+    sigma = lr * z * c2 / (exp_batch * q2) / np.sqrt(2)
+    assert abs(values.std() / sigma - 1) < 5 / np.sqrt(2 * values.size)
+
+
+def test_get_config_round_trip():
+    opt = optimizers.TwiceSamplingDPKerasAdamOptimizer(
+        l2_norm_clip=1.5, linf_norm_clip=0.2, noise_multiplier=1.1,
+        coordinate_sampling_rate=0.5, expected_batch_size=256,
+        num_microbatches=None, gradient_accumulation_steps=3, seed=7,
+        learning_rate=0.01, beta_1=0.8)
+    config = opt.get_config()
+    clone = optimizers.TwiceSamplingDPKerasAdamOptimizer.from_config(config)
+    assert type(clone) is type(opt)
+    assert clone.get_config() == config
+    assert config['linf_norm_clip'] == 0.2
+    assert config['coordinate_sampling_rate'] == 0.5
+    assert config['gradient_accumulation_steps'] == 3
+    restored = tf.keras.optimizers.deserialize(
+        tf.keras.optimizers.serialize(opt), use_legacy_optimizer=True)
+    assert type(restored).__name__ == 'TwiceSamplingDPKerasAdamOptimizer'
+
+
+def test_subclasses_tf_privacy_classes():
+    assert issubclass(optimizers.TwiceSamplingDPKerasSGDOptimizer,
+                      tfp_vectorized.VectorizedDPKerasSGDOptimizer)
+    assert issubclass(optimizers.TwiceSamplingDPKerasAdagradOptimizer,
+                      tf.keras.optimizers.legacy.Adagrad)
+    rms = optimizers.make_twice_sampling_optimizer_class(
+        tf.keras.optimizers.legacy.RMSprop)
+    assert rms.__name__ == 'TwiceSamplingDPKerasRMSpropOptimizer'
+    with pytest.raises(ValueError, match='cls'):
+        optimizers.make_twice_sampling_optimizer_class(dict)
+
+
+@pytest.mark.parametrize('kwargs, name', [
+    (dict(l2_norm_clip=-1.0), 'l2_norm_clip'),
+    (dict(coordinate_sampling_rate=0.0), 'coordinate_sampling_rate'),
+    (dict(expected_batch_size=0), 'expected_batch_size'),
+    (dict(gradient_accumulation_steps=0), 'gradient_accumulation_steps'),
+    (dict(num_microbatches=0), 'num_microbatches'),
+])
+def test_invalid_arguments(kwargs, name):
+    full = dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    full.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        optimizers.TwiceSamplingDPKerasSGDOptimizer(**full)
+
+
+def test_apply_without_dp_gradients_is_refused():
+    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    var = tf.Variable([1.0])
+    with pytest.raises(RuntimeError, match='not be private'):
+        opt.apply_gradients([(tf.constant([1.0]), var)])
+
+
+if __name__ == '__main__':
+    raise SystemExit(pytest.main([__file__]))

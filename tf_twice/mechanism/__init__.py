@@ -1,0 +1,11 @@
+"""Mechanisms on per-example gradients: the clip-mask-noise-normalise step."""
+
+from tf_twice.mechanism.aggregation import AggregationParams
+from tf_twice.mechanism.aggregation import MASK_PRECISION_BITS
+from tf_twice.mechanism.aggregation import add_noise_and_normalize
+from tf_twice.mechanism.aggregation import clipped_masked_sum
+from tf_twice.mechanism.aggregation import coordinate_masks
+from tf_twice.mechanism.aggregation import draw_step_key
+from tf_twice.mechanism.aggregation import effective_coordinate_sampling_rate
+from tf_twice.mechanism.aggregation import standard_normal_noise
+from tf_twice.mechanism.aggregation import validate_params
