@@ -1,0 +1,317 @@
+"""Tests of the PrivacyLedger callback (tf_twice.keras.ledger)."""
+
+import glob
+import json
+import os
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_twice import sampling
+from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.accounting import TwiceSamplingRdpAccountant
+from tf_twice.keras import ledger as ledger_lib
+from tf_twice.keras.ledger import PrivacyLedger
+
+DELTA = 1e-5
+Q1 = 0.25
+EVENT = TwiceSampledGaussianDpEvent(
+    example_sampling_rate=Q1, coordinate_sampling_rate=0.5,
+    noise_multiplier=1.0, l2_norm_clip=1.0, linf_norm_clip=0.5)
+OTHER_EVENT = TwiceSampledGaussianDpEvent(
+    example_sampling_rate=Q1, coordinate_sampling_rate=0.5,
+    noise_multiplier=(2.0, 3.0), l2_norm_clip=(1.0, 0.5),
+    linf_norm_clip=None)
+_RNG = np.random.default_rng(0)
+X = _RNG.normal(size=[64, 4]).astype(np.float32)
+Y = _RNG.normal(size=[64, 3]).astype(np.float32)
+
+
+def _accountant_epsilon(*event_counts):
+    accountant = TwiceSamplingRdpAccountant()
+    for event, count in event_counts:
+        accountant.compose(event, count)
+    return accountant.get_epsilon(DELTA)
+
+
+def _data(steps=5, seed=1):
+    # Plain Keras training: the ledger only counts steps. n * q1 = 16, so an
+    # empty batch (probability 0.75^64) does not occur.
+    return sampling.poisson_batches(X, Y, physical_batch_size=8,
+                                    example_sampling_rate=Q1, steps=steps,
+                                    seed=seed)
+
+
+def _model(steps_per_execution=1):
+    model = tf.keras.Sequential([tf.keras.layers.Dense(
+        3, input_shape=(4,),
+        kernel_initializer=tf.keras.initializers.GlorotUniform(seed=0))])
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse',
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def _target_between(k):
+    """A target with epsilon(k steps) <= target < epsilon(k + 1 steps)."""
+    low = _accountant_epsilon((EVENT, k))
+    high = _accountant_epsilon((EVENT, k + 1))
+    assert low < high
+    return (low + high) / 2
+
+
+def test_epsilon_equals_accountant_and_lands_in_history():
+    model = _model()
+    ledger = PrivacyLedger(EVENT, DELTA)
+    history = model.fit(_data(), epochs=2, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 10 == int(model.optimizer.iterations)
+    assert ledger.epsilon == pytest.approx(
+        _accountant_epsilon((EVENT, 10)), rel=1e-12)
+    assert history.history['epsilon'] == pytest.approx(
+        [_accountant_epsilon((EVENT, 5)), _accountant_epsilon((EVENT, 10))],
+        rel=1e-12)
+    assert ledger.accountant.get_epsilon(DELTA) == ledger.epsilon
+    assert ledger.dp_event == dp_accounting.SelfComposedDpEvent(EVENT, 10)
+    assert not ledger.stopped_by_budget
+
+
+def test_stops_before_exceeding_target_and_weights_match_k_steps():
+    target = _target_between(7)
+    model = _model()
+    initial = model.get_weights()
+    ledger = PrivacyLedger(EVENT, DELTA, target_epsilon=target)
+    model.fit(_data(), epochs=5, callbacks=[ledger], verbose=0)
+    assert ledger.stopped_by_budget
+    assert ledger.steps == 7 == int(model.optimizer.iterations)
+    assert ledger.epsilon <= target < ledger.epsilon_after(1)
+    assert _accountant_epsilon((EVENT, ledger.steps)) <= target
+    assert ledger.remaining_steps() == 0
+
+    # The same model trained on exactly the first 7 logical batches.
+    reference = _model()
+    reference.set_weights(initial)
+    for x, y, w in list(_data(steps=7).as_numpy_iterator()):
+        reference.train_on_batch(x, y, sample_weight=w)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_exhausted_budget_runs_no_step_and_restores_train_function():
+    target = _target_between(3)
+    ledger = PrivacyLedger(EVENT, DELTA, target_epsilon=target)
+    ledger.record_steps(3)
+    model = _model()
+    initial = model.get_weights()
+    model.fit(_data(), epochs=2, callbacks=[ledger], verbose=0)
+    assert int(model.optimizer.iterations) == 0 and ledger.steps == 3
+    for a, b in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(a, b)
+    # The blocked train function was only for that fit.
+    model.fit(_data(), epochs=1, verbose=0)
+    assert int(model.optimizer.iterations) == 5
+
+
+def test_steps_per_execution_stops_at_a_multiple():
+    target = _target_between(7)
+    model = _model(steps_per_execution=3)
+    ledger = PrivacyLedger(EVENT, DELTA, target_epsilon=target)
+    model.fit(_data(steps=30), epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 6 == int(model.optimizer.iterations)
+    assert ledger.epsilon <= target
+
+
+def test_save_and_resume_keeps_privacy_spent(tmp_path):
+    path = str(tmp_path / 'ckpt' / 'privacy_ledger.json')
+    model = _model()
+    model.fit(_data(), epochs=1, callbacks=[PrivacyLedger(
+        EVENT, DELTA, state_path=path, verbose=0)], verbose=0)
+    with open(path) as f:
+        state = json.load(f)
+    assert state['steps'] == 5 and state['reserved_steps'] == 0
+    assert state['segments'] == [{'event': ledger_lib.event_to_json(EVENT),
+                                  'count': 5}]
+    assert state['delta'] == DELTA
+
+    resumed = PrivacyLedger(EVENT, DELTA, state_path=path, verbose=0)
+    assert resumed.steps == 5
+    assert resumed.epsilon == pytest.approx(_accountant_epsilon((EVENT, 5)))
+    model.fit(_data(seed=2), epochs=1, callbacks=[resumed], verbose=0)
+    assert resumed.steps == 10
+    assert resumed.epsilon == pytest.approx(_accountant_epsilon((EVENT, 10)),
+                                            rel=1e-12)
+    assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 10
+
+
+def test_resume_with_other_event_composes_both(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    first = PrivacyLedger(EVENT, DELTA, state_path=path)
+    first.record_steps(5)
+    second = PrivacyLedger(OTHER_EVENT, DELTA, state_path=path, verbose=0)
+    assert second.epsilon == pytest.approx(_accountant_epsilon((EVENT, 5)))
+    _model().fit(_data(steps=3), epochs=1, callbacks=[second], verbose=0)
+    expected = _accountant_epsilon((EVENT, 5), (OTHER_EVENT, 3))
+    assert second.steps == 8
+    assert second.epsilon == pytest.approx(expected, rel=1e-12)
+    third = PrivacyLedger(EVENT, DELTA, state_path=path)
+    assert third.epsilon == pytest.approx(expected, rel=1e-12)
+    segments = json.load(open(path))['segments']
+    assert [s['count'] for s in segments] == [5, 3]
+    assert ledger_lib.event_from_json(segments[1]['event']) == OTHER_EVENT
+
+
+class _Crash(tf.keras.callbacks.Callback):
+
+    def __init__(self, after_steps):
+        super().__init__()
+        self.after_steps = after_steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.after_steps:
+            raise RuntimeError('simulated crash')
+
+
+@pytest.mark.parametrize('save_every_steps', [1, 4])
+def test_crash_never_loses_steps(tmp_path, save_every_steps):
+    path = str(tmp_path / 'ledger.json')
+    model = _model()
+    ledger = PrivacyLedger(EVENT, DELTA, state_path=path,
+                           save_every_steps=save_every_steps)
+    # The crash comes before the ledger sees the end of step 3.
+    with pytest.raises(RuntimeError, match='simulated crash'):
+        model.fit(_data(), epochs=1, callbacks=[_Crash(3), ledger], verbose=0)
+    taken = int(model.optimizer.iterations)
+    assert taken == 3 and ledger.steps == 2
+    reloaded = PrivacyLedger(EVENT, DELTA, state_path=path)
+    assert taken <= reloaded.steps <= taken + save_every_steps
+    assert reloaded.epsilon >= _accountant_epsilon((EVENT, taken))
+
+
+def test_write_ahead_never_charges_past_target(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    target = _target_between(4)
+    ledger = PrivacyLedger(EVENT, DELTA, target_epsilon=target,
+                           state_path=path, save_every_steps=100)
+    with pytest.raises(RuntimeError, match='simulated crash'):
+        _model().fit(_data(), epochs=1, callbacks=[_Crash(1), ledger],
+                     verbose=0)
+    state = json.load(open(path))
+    # Charged ahead before step 1: 100 steps asked, 4 fit in the budget.
+    assert state['steps'] == 4 and state['reserved_steps'] == 4
+    assert state['epsilon'] <= target
+
+
+def test_atomic_write_survives_crash_mid_write(tmp_path, monkeypatch):
+    path = str(tmp_path / 'ledger.json')
+    ledger = PrivacyLedger(EVENT, DELTA)
+    ledger.record_steps(2)
+    ledger.save(path)
+    before = open(path).read()
+    ledger.record_steps(1)  # In memory; the next write fails half-way.
+    real_dump = json.dump
+
+    def dump_then_crash(obj, f, **kwargs):
+        f.write(json.dumps(obj)[:20])
+        raise OSError('disk gone mid-write')
+
+    monkeypatch.setattr(ledger_lib.json, 'dump', dump_then_crash)
+    with pytest.raises(OSError, match='mid-write'):
+        ledger.save(path)
+    monkeypatch.setattr(ledger_lib.json, 'dump', real_dump)
+    assert open(path).read() == before
+    assert os.listdir(tmp_path) == ['ledger.json']  # No temp file left.
+    assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 2
+
+
+def test_get_state_from_state_round_trip(tmp_path):
+    ledger = PrivacyLedger(EVENT, DELTA, target_epsilon=50.0)
+    ledger.record_steps(4)
+    state = json.loads(json.dumps(ledger.get_state()))
+    copy = PrivacyLedger.from_state(state)
+    assert copy.steps == 4 and copy.event == EVENT
+    assert copy.delta == DELTA and copy.target_epsilon == 50.0
+    assert copy.epsilon == ledger.epsilon
+    np.testing.assert_array_equal(copy.orders, ledger.orders)
+    other = PrivacyLedger.from_state(state, event=OTHER_EVENT, delta=1e-6)
+    other.record_steps(2)
+    accountant = TwiceSamplingRdpAccountant()
+    accountant.compose(EVENT, 4).compose(OTHER_EVENT, 2)
+    assert other.epsilon == pytest.approx(accountant.get_epsilon(1e-6))
+    path = str(tmp_path / 'ledger.json')
+    ledger.save(path)
+    with pytest.raises(ValueError, match='already holds a ledger'):
+        PrivacyLedger.from_state(state, state_path=path)
+    empty = PrivacyLedger(EVENT, DELTA).get_state()
+    with pytest.raises(ValueError, match='event is required'):
+        PrivacyLedger.from_state(empty)
+
+
+def test_other_dp_accounting_events_and_custom_orders():
+    event = dp_accounting.PoissonSampledDpEvent(
+        0.01, dp_accounting.GaussianDpEvent(1.1))
+    ledger = PrivacyLedger(event, DELTA, orders=[2, 4, 8, 16, 32])
+    ledger.record_steps(100)
+    accountant = dp_accounting.rdp.RdpAccountant([2, 4, 8, 16, 32])
+    accountant.compose(event, 100)
+    assert ledger.epsilon == pytest.approx(accountant.get_epsilon(DELTA))
+    restored = PrivacyLedger.from_state(ledger.get_state())
+    np.testing.assert_array_equal(restored.orders, [2, 4, 8, 16, 32])
+
+
+def test_bad_state_files_are_refused(tmp_path):
+    path = tmp_path / 'ledger.json'
+    path.write_text('{"format": "tf_twice.PrivacyLedger", "vers')
+    with pytest.raises(ValueError, match='Cannot read'):
+        PrivacyLedger(EVENT, DELTA, state_path=str(path))
+    state = PrivacyLedger(EVENT, DELTA).get_state()
+    for key, value, match in [('format', 'x', 'format'),
+                              ('version', 99, 'version')]:
+        path.write_text(json.dumps(dict(state, **{key: value})))
+        with pytest.raises(ValueError, match=match):
+            PrivacyLedger(EVENT, DELTA, state_path=str(path))
+    evil = dict(state, segments=[{'event': {
+        'module_name': 'os', 'class_name': 'system', 'arguments': {}},
+        'count': 1}])
+    path.write_text(json.dumps(evil))
+    with pytest.raises(ValueError, match='only'):
+        PrivacyLedger(EVENT, DELTA, state_path=str(path))
+
+
+def test_log_dir_writes_epsilon_scalar(tmp_path):
+    ledger = PrivacyLedger(EVENT, DELTA, log_dir=str(tmp_path))
+    _model().fit(_data(steps=2), epochs=2, callbacks=[ledger], verbose=0)
+    values = {}
+    for name in glob.glob(str(tmp_path / 'events.out.tfevents.*')):
+        for record in tf.compat.v1.train.summary_iterator(name):
+            for v in record.summary.value:
+                if v.tag == 'epoch_epsilon':
+                    values[record.step] = float(
+                        tf.make_ndarray(v.tensor))
+    assert values == pytest.approx({
+        0: _accountant_epsilon((EVENT, 2)),
+        1: _accountant_epsilon((EVENT, 4))}, rel=1e-6)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(delta=0.0), 'delta'),
+    (dict(delta=1.0), 'delta'),
+    (dict(delta='x'), 'delta'),
+    (dict(target_epsilon=-1.0), 'target_epsilon'),
+    (dict(target_epsilon=float('inf')), 'target_epsilon'),
+    (dict(save_every_steps=0), 'save_every_steps'),
+    (dict(save_every_steps=1.5), 'save_every_steps'),
+    (dict(event='gaussian'), 'DpEvent'),
+    (dict(event=dp_accounting.PoissonSampledDpEvent(0.1, EVENT)),
+     'PoissonSampledDpEvent'),
+    (dict(state_path=3), 'state_path'),
+])
+def test_bad_arguments(kwargs, match):
+    args = dict(event=EVENT, delta=DELTA)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        PrivacyLedger(args.pop('event'), args.pop('delta'), **args)
+    ledger = PrivacyLedger(EVENT, DELTA)
+    with pytest.raises(ValueError, match='count'):
+        ledger.record_steps(0)
+    with pytest.raises(ValueError, match='extra_steps'):
+        ledger.epsilon_after(-1)

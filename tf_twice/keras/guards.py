@@ -1,0 +1,286 @@
+"""Guard rails: refuse training setups that silently void the DP guarantee.
+
+DP-SGD's guarantee (and `tf_twice.accounting`'s epsilon) rests on four
+assumptions the code cannot enforce by itself:
+
+1. each example's gradient depends on that example only: no layer may mix
+   examples of a batch (BatchNormalization does, through batch statistics);
+2. the loss is per example, so per-example gradients exist (a loss reduced
+   to a scalar over the batch has none);
+3. batches are Poisson samples (`tf_twice.sampling`), not fixed-size
+   shuffled batches;
+4. the noisy sum is divided by the *expected* number of contributions
+   n * q1 * q2, never by the realised batch size, which depends on who is in
+   the batch and is not covered by the accountant.
+
+Every check raises ValueError naming what is wrong and what to use instead.
+`check_poisson_input` is strict by default: a non-Poisson dataset is refused
+(ValueError), because the epsilon reported for it would not be a valid bound.
+`strict=False` downgrades that to a `NonPoissonInputWarning` for experiments
+whose epsilon is not claimed; the warning says that the epsilon does not hold.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Iterator, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_twice import sampling
+
+__all__ = [
+    'ALLOWED_NORMALIZATIONS',
+    'NonPoissonInputWarning',
+    'check_normalization',
+    'check_no_batch_norm',
+    'check_per_example_loss',
+    'check_poisson_input',
+]
+
+# Values of a "normalize by" setting that keep the guarantee: the expected
+# number of contributions per coordinate, n * q1 * q2 (SPEC section 4).
+ALLOWED_NORMALIZATIONS = ('expected', 'expected_batch_size')
+_REALISED = ('realized', 'realised', 'realized_batch_size',
+             'realised_batch_size', 'actual', 'actual_batch_size',
+             'batch_size', 'batch', 'mean', 'num_examples', 'sampled')
+
+
+class NonPoissonInputWarning(UserWarning):
+    """Training data is not Poisson-sampled; the reported epsilon is void."""
+
+
+def _walk_layers(layer: Any, path: str) -> Iterator[Tuple[str, Any]]:
+    """Yields (path, layer) for `layer` and every layer nested in it."""
+    yield path, layer
+    children = getattr(layer, '_flatten_layers', None)
+    if children is not None:
+        nested = children(include_self=False, recursive=False)
+    else:
+        nested = getattr(layer, 'layers', [])
+    for child in nested:
+        yield from _walk_layers(child, f'{path}/{child.name}')
+
+
+def _is_batch_norm(layer: Any) -> bool:
+    if isinstance(layer, tf.keras.layers.BatchNormalization):
+        return True
+    # Also catches SyncBatchNormalization, tf.compat.v1 and other Keras
+    # copies of the layer, which need not share the class above.
+    return any('BatchNorm' in cls.__name__ for cls in type(layer).__mro__)
+
+
+def check_no_batch_norm(model: tf.keras.layers.Layer) -> None:
+    """Refuses a model with BatchNormalization anywhere (nested models too).
+
+    BatchNormalization normalises each example with statistics of the whole
+    batch, so one example's gradient depends on every other example and
+    per-example clipping no longer bounds any single example's influence.
+    GroupNormalization (what the paper uses) and LayerNormalization
+    normalise within an example and are safe.
+
+    Raises:
+      ValueError: naming the first BatchNormalization layer found.
+    """
+    if not isinstance(model, tf.keras.layers.Layer):
+        raise ValueError('model must be a tf.keras Model or Layer; got '
+                         f'{type(model).__name__}.')
+    for path, layer in _walk_layers(model, model.name):
+        if _is_batch_norm(layer):
+            raise ValueError(
+                f'Layer {path!r} ({type(layer).__name__}) normalises with '
+                'batch statistics, which mixes examples: per-example '
+                'gradients, and so DP-SGD\'s guarantee, do not exist with it. '
+                'Use tf.keras.layers.GroupNormalization (as the paper does) '
+                'or tf.keras.layers.LayerNormalization instead.')
+
+
+def _default_probes():
+    """Example batches (3 examples, 4 classes) for the common loss shapes."""
+    probs = tf.fill([3, 4], 0.25)
+    yield tf.one_hot([0, 1, 2], 4), probs  # Dense targets, categorical.
+    yield tf.constant([0.0, 1.0, 2.0]), probs  # Sparse labels.
+    yield tf.constant([[0.0], [1.0], [2.0]]), probs  # Sparse, [batch, 1].
+
+
+def _probe(loss, y_true, y_pred, where: str) -> Tuple[np.ndarray, int]:
+    """The loss values on a probe batch, and that batch's size."""
+    if (y_true is None) != (y_pred is None):
+        raise ValueError('Give both y_true and y_pred (example batches to '
+                         'probe the loss with), or neither.')
+    probes = ([(y_true, y_pred)] if y_true is not None else
+              list(_default_probes()))
+    error = None
+    for true, pred in probes:
+        try:
+            values = np.asarray(loss(true, pred))
+        except Exception as e:  # pylint: disable=broad-except
+            error = e
+            continue
+        return values, int(tf.nest.flatten(pred)[0].shape[0])
+    raise ValueError(
+        f'Could not evaluate loss {where} on a probe batch ({error}); pass '
+        'y_true=... and y_pred=... example batches to '
+        'check_per_example_loss.') from error
+
+
+def _describe(loss: Any) -> str:
+    if isinstance(loss, str):
+        return repr(loss)
+    if isinstance(loss, tf.keras.losses.Loss):
+        return repr(loss.name)
+    return getattr(loss, '__name__', type(loss).__name__)
+
+
+def _check_one_loss(loss: Any, y_true, y_pred, where: str) -> None:
+    if isinstance(loss, str):
+        try:
+            loss = tf.keras.losses.get(loss)
+        except ValueError as e:
+            raise ValueError(f'Loss {where} is not a known Keras loss name: '
+                             f'{e}') from e
+    if isinstance(loss, tf.keras.losses.Loss):
+        reduction = loss.reduction
+        if reduction != tf.keras.losses.Reduction.NONE:
+            raise ValueError(
+                f'Loss {where} ({type(loss).__name__}) has reduction '
+                f'{reduction!r}: it averages over the batch, so there are no '
+                'per-example losses to clip. Construct it with '
+                'reduction=tf.keras.losses.Reduction.NONE.')
+        stock = type(loss).__module__.startswith(
+            ('keras.', 'tf_keras.', 'tensorflow.'))
+        if stock and y_true is None and y_pred is None:
+            return  # A stock Keras loss with reduction NONE is per example.
+    elif not callable(loss):
+        raise ValueError(f'Loss {where} must be a Keras Loss, a loss name or '
+                         'a callable (y_true, y_pred) -> per-example losses; '
+                         f'got {loss!r}.')
+    values, batch = _probe(loss, y_true, y_pred, where)
+    if values.ndim == 0 or values.shape[0] != batch:
+        raise ValueError(
+            f'Loss {where} returned shape {values.shape} for a batch of '
+            f'{batch} examples: it is reduced over the batch, so there are no '
+            'per-example losses to clip. It must return one loss per example '
+            '(shape [batch, ...]); for Keras losses use '
+            'reduction=tf.keras.losses.Reduction.NONE.')
+
+
+def check_per_example_loss(loss: Any, y_true: Any = None,
+                           y_pred: Any = None) -> None:
+    """Refuses a loss that does not return one value per example.
+
+    DP-SGD clips each example's gradient, so it needs per-example losses.
+    Accepted: a Keras `Loss` with `reduction=Reduction.NONE`; a loss name
+    ('sparse_categorical_crossentropy', ...) that resolves to a per-example
+    function; a callable returning shape [batch, ...]. Callables and custom
+    `Loss` subclasses are probed: with `y_true`/`y_pred` when given, else
+    with a small default batch (3 examples, 4 classes). Nests (lists, dicts)
+    of losses, as for multi-output models, are checked one by one.
+
+    Raises:
+      ValueError: the loss is reduced over the batch, or could not be
+        probed (then pass example `y_true` and `y_pred`).
+    """
+    if isinstance(loss, dict):
+        for key, value in loss.items():
+            _check_one_loss(value, y_true, y_pred,
+                            f'[{key!r}] {_describe(value)}')
+        return
+    if isinstance(loss, (list, tuple)):
+        for i, value in enumerate(loss):
+            _check_one_loss(value, y_true, y_pred, f'[{i}] {_describe(value)}')
+        return
+    _check_one_loss(loss, y_true, y_pred, _describe(loss))
+
+
+def check_poisson_input(dataset: Any, *,
+                        example_sampling_rate: Optional[float] = None,
+                        strict: bool = True
+                        ) -> Optional[sampling.PoissonSamplingInfo]:
+    """Checks that training data is Poisson-sampled, as the accountant assumes.
+
+    Accepts datasets built by `tf_twice.sampling.poisson_batches[_from_
+    dataset]` (also after `prefetch`/`take`/`skip`/`repeat`/`with_options`).
+    Anything else (numpy arrays that Keras batches itself, `shuffle().batch()`
+    pipelines, generators, Sequences, a mapped or re-batched Poisson dataset)
+    is not Poisson sampling: the steps' batches are fixed-size and dependent,
+    and the accountant's epsilon is not a bound for them.
+
+    Args:
+      dataset: what will be passed to `fit`.
+      example_sampling_rate: if given, the q1 the accountant uses; it must
+        match the dataset's (else the epsilon is for another mechanism).
+      strict: True (default) raises on non-Poisson input; False only warns
+        (`NonPoissonInputWarning`), for runs that claim no epsilon.
+
+    Returns:
+      The dataset's `PoissonSamplingInfo`, or None (strict=False only).
+
+    Raises:
+      ValueError: non-Poisson input (strict), a q1 mismatch (always), or
+        an argument outside its range.
+    """
+    if not isinstance(strict, bool):
+        raise ValueError(f'strict must be True or False; got {strict!r}.')
+    if example_sampling_rate is not None:
+        q1 = float(example_sampling_rate)
+        if not 0.0 < q1 <= 1.0:
+            raise ValueError('example_sampling_rate must be in (0, 1]; got '
+                             f'{example_sampling_rate!r}.')
+    info = sampling.get_poisson_sampling_info(dataset)
+    if info is None:
+        message = (
+            f'Training input ({type(dataset).__name__}) is not recognised as '
+            'Poisson-sampled logical batches. Fixed-size shuffled batches '
+            '(ds.shuffle().batch(), numpy arrays batched by fit) are not '
+            'Poisson sampling, so the accountant\'s epsilon is not a valid '
+            'bound for them. Build the input with '
+            'tf_twice.sampling.poisson_batches(...) and do not map, batch or '
+            'cache it afterwards.')
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message + ' Continuing (strict=False): THE REPORTED '
+                      'EPSILON DOES NOT HOLD FOR THIS RUN.',
+                      NonPoissonInputWarning, stacklevel=2)
+        return None
+    if example_sampling_rate is not None and not math.isclose(
+            info.example_sampling_rate, q1, rel_tol=1e-9, abs_tol=0.0):
+        raise ValueError(
+            f'The dataset samples with example_sampling_rate '
+            f'{info.example_sampling_rate!r} but the accountant uses '
+            f'{example_sampling_rate!r}; they must be equal.')
+    return info
+
+
+def check_normalization(normalization: str) -> str:
+    """Refuses normalising the noisy sum by the realised batch size.
+
+    The update must be the noisy sum divided by the expected number of
+    contributions per coordinate, n * q1 * q2 (an unbiased estimate of the
+    mean clipped gradient). Dividing by the realised batch size publishes a
+    data-dependent quantity (how many examples were sampled) that the
+    accountant does not charge for.
+
+    Args:
+      normalization: one of `ALLOWED_NORMALIZATIONS` ('expected',
+        'expected_batch_size').
+
+    Returns:
+      The accepted value.
+
+    Raises:
+      ValueError: for realised-size normalisation or any other value.
+    """
+    value = normalization.lower() if isinstance(normalization, str) else None
+    if value in ALLOWED_NORMALIZATIONS:
+        return normalization
+    if value in _REALISED:
+        raise ValueError(
+            f'normalization={normalization!r} divides by the realised batch '
+            'size, which depends on which examples were sampled and is not '
+            'covered by the privacy accounting. Use one of '
+            f'{ALLOWED_NORMALIZATIONS} (divide by n * q1 * q2).')
+    raise ValueError(f'normalization must be one of {ALLOWED_NORMALIZATIONS}; '
+                     f'got {normalization!r}.')
