@@ -34,6 +34,7 @@ EXTRAS_REQUIRE = {
         'pytest>=8',
         'pytest-xdist>=3.5',
         'mpmath>=1.3',
+        'matplotlib>=3.7',  # The reproduction tests draw the figures.
     ],
     'examples': [
         'matplotlib>=3.7',

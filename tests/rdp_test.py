@@ -226,6 +226,15 @@ def test_integer_d0_has_no_spurious_extra_coordinate():
         rtol=1e-12)
 
 
+def test_numpy_scalars_and_arrays_are_accepted():
+    np.testing.assert_array_equal(
+        _rdp(noise_multiplier=np.float64(1.0), l2_norm_clip=np.array(1.0)),
+        _rdp(noise_multiplier=1.0, l2_norm_clip=1.0))
+    np.testing.assert_array_equal(
+        _rdp(noise_multiplier=np.array([1.0, 2.0]), l2_norm_clip=[1.0, 1.0]),
+        _rdp(noise_multiplier=[1.0, 2.0], l2_norm_clip=1.0))
+
+
 def test_large_orders_stay_finite():
     values = twice_sampling_rdp(
         [2, 256, 1024, MAX_ORDER], example_sampling_rate=0.5,

@@ -63,10 +63,10 @@ def _as_tuple(name: str, value, allow_none: bool = False) -> Tuple:
     if isinstance(value, (str, bytes)):
         raise ValueError(f'{name} must be a number or a sequence of numbers; '
                          f'got {value!r}.')
-    if isinstance(value, Sequence) or hasattr(value, 'tolist'):
-        values = tuple(value.tolist() if hasattr(value, 'tolist') else value)
-        if not isinstance(values, tuple):  # A 0-d numpy array.
-            values = (values,)
+    if hasattr(value, 'tolist'):  # numpy arrays and scalars.
+        value = value.tolist()
+    if isinstance(value, Sequence):
+        values = tuple(value)
         if not values:
             raise ValueError(f'{name} must not be empty.')
         return values
