@@ -1,11 +1,16 @@
 """Tests of the per-example (fast) training path, DPModel."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tf_twice import optimizers
-from tf_twice.keras import DPModel, make_private
+from tf_twice import sampling
+from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.keras import DPModel, PrivacyLedger, make_private
+from tf_twice.keras import guards
 from tf_twice.mechanism import aggregation as agg
 
 NUM_FEATURES, NUM_CLASSES = 4, 3
@@ -250,6 +255,140 @@ def test_config_round_trip_and_weights():
     for key in ('l2_norm_clip', 'linf_norm_clip', 'noise_multiplier',
                 'coordinate_sampling_rate', 'expected_batch_size', 'seed'):
         assert clone.get_config()[key] == config[key]
+
+
+# --- accounting: dp_event and the fit guards --------------------------------
+
+NUM_EXAMPLES = 24  # expected_batch_size 6 -> q1 = 0.25
+DELTA = 1e-5
+
+
+def _event(**changes):
+    fields = dict(example_sampling_rate=0.25, coordinate_sampling_rate=0.5,
+                  noise_multiplier=1.0, l2_norm_clip=0.6, linf_norm_clip=0.15)
+    fields.update(changes)
+    return TwiceSampledGaussianDpEvent(**fields)
+
+
+def _poisson(num_examples=NUM_EXAMPLES, q1=0.25, steps=3, seed=1):
+    x, y = _data(num_examples, seed=7)
+    return sampling.poisson_batches(x, y, physical_batch_size=4,
+                                    example_sampling_rate=q1, steps=steps,
+                                    seed=seed)
+
+
+def test_dp_event_is_the_models_step():
+    dp = make_private(_mlp(), physical_batch_size=4, **DP)
+    assert dp.dp_event(NUM_EXAMPLES) == _event()
+    assert dp.dp_event(6).example_sampling_rate == 1.0
+    with pytest.raises(ValueError, match='num_examples'):
+        dp.dp_event(5)  # q1 = 6 / 5 > 1
+
+
+def test_fit_with_ledger_on_poisson_batches_is_accounted():
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    ledger = PrivacyLedger.for_model(dp, num_examples=NUM_EXAMPLES,
+                                     delta=DELTA, verbose=0)
+    assert ledger.event == _event()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', guards.NonPoissonInputWarning)
+        dp.fit(_poisson(), epochs=2, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 6 == int(dp.optimizer.iterations)
+
+
+@pytest.mark.parametrize('make', [
+    lambda: _data(NUM_EXAMPLES),  # Arrays that fit batches itself.
+    lambda: (tf.data.Dataset.from_tensor_slices(_data(NUM_EXAMPLES))
+             .shuffle(NUM_EXAMPLES).batch(6)),
+])
+def test_fit_with_ledger_refuses_non_poisson_input(make):
+    data = make()
+    args = data if isinstance(data, tuple) else (data,)
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    initial = _weights(dp)
+    ledger = PrivacyLedger(_event(), DELTA)
+    with pytest.raises(ValueError, match='not Poisson sampling'):
+        dp.fit(*args, epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 0
+    _assert_all_close(_weights(dp), initial, rtol=0, atol=0)
+    # The explicit opt-in trains, loudly, and still counts the steps.
+    with pytest.warns(guards.NonPoissonInputWarning,
+                      match='EPSILON DOES NOT HOLD'):
+        dp.fit(*args, epochs=1, callbacks=[ledger], verbose=0,
+               allow_non_poisson_input=True)
+    assert ledger.steps == int(dp.optimizer.iterations) > 0
+
+
+@pytest.mark.parametrize('event, data, match', [
+    (_event(noise_multiplier=1.1), None, 'noise_multiplier=1.1'),
+    (_event(l2_norm_clip=1.0), None, 'l2_norm_clip=1.0'),
+    (_event(linf_norm_clip=None), None, 'linf_norm_clip=None'),
+    (_event(coordinate_sampling_rate=1.0), None, 'coordinate_sampling_rate'),
+    # The dataset samples at another rate than the event.
+    (_event(), lambda: _poisson(q1=0.5), 'must be equal'),
+    # Same q1, but q1 * n = 8 != expected_batch_size 6.
+    (_event(), lambda: _poisson(num_examples=32), 'example_sampling_rate'),
+])
+def test_fit_with_mismatched_ledger_is_refused(event, data, match):
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    ledger = PrivacyLedger(event, DELTA)
+    data = _poisson() if data is None else data()
+    with pytest.raises(ValueError, match=match):
+        dp.fit(data, epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 0 and int(dp.optimizer.iterations) == 0
+
+
+def test_ledger_in_a_callback_list_is_found():
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    callbacks = tf.keras.callbacks.CallbackList(
+        [PrivacyLedger(_event(noise_multiplier=2.0), DELTA)], model=dp)
+    with pytest.raises(ValueError, match='noise_multiplier'):
+        dp.fit(_poisson(), callbacks=callbacks, verbose=0)
+
+
+def test_fit_without_ledger_trains_on_arrays():
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', guards.NonPoissonInputWarning)
+        dp.fit(*_data(12), batch_size=6, epochs=1, verbose=0)
+    assert int(dp.optimizer.iterations) == 2
+    with pytest.raises(ValueError, match='allow_non_poisson_input'):
+        dp.fit(*_data(12), verbose=0, allow_non_poisson_input='yes')
+
+
+def _generator_state(dp):
+    return dp.dp_generator.state.numpy().copy()
+
+
+def test_generator_checkpoints_with_the_weights(tmp_path):
+    x, y = _data(6)
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    dp.train_on_batch(x, y)
+    path = str(tmp_path / 'tf_format' / 'ckpt')
+    dp.save_weights(path)
+    saved = _generator_state(dp)
+    names = [name for name, _ in tf.train.list_variables(path)]
+    assert any(name.startswith('_dp_generator/') for name in names)
+    dp.train_on_batch(x, y)
+    # A fresh model with the same seed starts at the seed's first key.
+    fresh = _private(_mlp(), physical_batch_size=4, **DP)
+    assert not np.array_equal(_generator_state(fresh), saved)
+    fresh.load_weights(path)
+    np.testing.assert_array_equal(_generator_state(fresh), saved)
+
+
+def test_load_weights_without_generator_reseeds(tmp_path):
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    dp.train_on_batch(*_data(6))
+    path = str(tmp_path / 'weights.h5')
+    dp.save_weights(path)
+    fresh = _private(_mlp(), physical_batch_size=4, **DP)
+    fresh(_data(1)[0])  # HDF5 weights load into a built model only.
+    seed_state = _generator_state(fresh)
+    fresh.load_weights(path)
+    _assert_all_close(_weights(fresh), _weights(dp), rtol=0, atol=0)
+    # Not the seed's first keys again, which the saved run already used.
+    assert not np.array_equal(_generator_state(fresh), seed_state)
 
 
 if __name__ == '__main__':

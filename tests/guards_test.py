@@ -2,12 +2,16 @@
 
 import warnings
 
+import dp_accounting
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_twice import optimizers
 from tf_twice import sampling
+from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.keras import guards
+from tf_twice.mechanism import aggregation
 
 
 def _dense(name='plain'):
@@ -179,3 +183,113 @@ def test_normalization():
         guards.check_normalization('median')
     with pytest.raises(ValueError, match='must be one of'):
         guards.check_normalization(None)
+
+
+# --- the ledger's event against the model's parameters ----------------------
+
+PARAMS = dict(l2_norm_clip=1.0, linf_norm_clip=0.25, noise_multiplier=1.1,
+              coordinate_sampling_rate=0.5, expected_batch_size=64.0)
+N = 1003  # (64 / 1003) * 1003 != 64 in floats: round-off is forgiven.
+
+
+def _event(**changes):
+    fields = dict(example_sampling_rate=64 / N, coordinate_sampling_rate=0.5,
+                  noise_multiplier=1.1, l2_norm_clip=1.0,
+                  linf_norm_clip=0.25)
+    fields.update(changes)
+    return TwiceSampledGaussianDpEvent(**fields)
+
+
+def test_matching_event_passes():
+    guards.check_event_matches(_event(), num_examples=N, **PARAMS)
+    guards.check_event_matches(_event(), **PARAMS)  # n unknown: q1 unchecked
+    # One-block tuples and an l-infinity clip >= c2 (no effect, as None).
+    guards.check_event_matches(
+        _event(noise_multiplier=(1.1,), l2_norm_clip=[1.0],
+               linf_norm_clip=None),
+        **dict(PARAMS, linf_norm_clip=3.0))
+
+
+@pytest.mark.parametrize('changes, field', [
+    (dict(noise_multiplier=1.2), 'noise_multiplier'),
+    (dict(noise_multiplier=1.1 * (1 + 1e-6)), 'noise_multiplier'),
+    (dict(l2_norm_clip=0.5), 'l2_norm_clip'),
+    (dict(linf_norm_clip=0.1), 'linf_norm_clip'),  # Understates sensitivity.
+    (dict(linf_norm_clip=None), 'linf_norm_clip'),
+    (dict(coordinate_sampling_rate=0.25), 'coordinate_sampling_rate'),
+    (dict(example_sampling_rate=65 / N), 'example_sampling_rate'),
+])
+def test_mismatched_field_is_named(changes, field):
+    with pytest.raises(ValueError, match=f'{field}=.*for_model'):
+        guards.check_event_matches(_event(**changes), num_examples=N,
+                                   **PARAMS)
+
+
+def test_model_without_linf_clip_refuses_event_with_one():
+    with pytest.raises(ValueError, match='linf_norm_clip'):
+        guards.check_event_matches(_event(),
+                                   **dict(PARAMS, linf_norm_clip=None))
+
+
+def test_event_kind_blocks_and_dimensions():
+    gaussian = dp_accounting.PoissonSampledDpEvent(
+        0.1, dp_accounting.GaussianDpEvent(1.1))
+    with pytest.raises(ValueError, match='TwiceSampledGaussianDpEvent'):
+        guards.check_event_matches(gaussian, **PARAMS)
+    two_blocks = _event(noise_multiplier=(1.1, 2.0), l2_norm_clip=(1.0, 1.0),
+                        linf_norm_clip=None)
+    with pytest.raises(ValueError, match='2 blocks'):
+        guards.check_event_matches(two_blocks, **PARAMS)
+    sized = _event(block_dimensions=3)
+    with pytest.raises(ValueError, match='build the model'):
+        guards.check_event_matches(sized, **PARAMS)
+    with pytest.raises(ValueError, match='block_dimensions=3'):
+        guards.check_event_matches(sized, num_parameters=10, **PARAMS)
+    guards.check_event_matches(sized, num_parameters=3, **PARAMS)
+
+
+def test_dp_event_from_params():
+    params = aggregation.AggregationParams(**PARAMS)
+    assert guards.dp_event_from_params(params, N) == _event()
+    for bad in (63, 0, 64.0, True, None):
+        with pytest.raises(ValueError, match='num_examples'):
+            guards.dp_event_from_params(params, bad)
+    silent = aggregation.AggregationParams(**dict(PARAMS,
+                                                  noise_multiplier=0.0))
+    with pytest.raises(ValueError, match='noise_multiplier must be > 0'):
+        guards.dp_event_from_params(silent, N)
+    with pytest.raises(ValueError, match='params'):
+        guards.dp_event_from_params(PARAMS, N)
+
+
+def _compiled(num_microbatches=None):
+    model = _dense()
+    optimizer = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        num_microbatches=num_microbatches, learning_rate=0.1, **PARAMS)
+    model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(
+        reduction=tf.keras.losses.Reduction.NONE))
+    return model
+
+
+def test_model_dp_params_of_optimizer_and_plain_models():
+    assert guards.model_dp_params(_dense()) is None
+    plain = _dense()
+    plain.compile(optimizer='sgd', loss='mse')
+    assert guards.model_dp_params(plain) is None
+    model = _compiled()
+    assert guards.model_dp_params(model) == aggregation.AggregationParams(
+        **PARAMS)
+    assert guards.check_event_matches_model(_event(), model, num_examples=N)
+    assert not guards.check_event_matches_model(_event(noise_multiplier=9.0),
+                                                plain)
+    with pytest.raises(ValueError, match='noise_multiplier=9.0'):
+        guards.check_event_matches_model(_event(noise_multiplier=9.0), model)
+    # _dense() has 3*4+4 + 4+4 (LayerNorm) + 4*2+2 = 34 trainable numbers.
+    guards.check_event_matches_model(_event(block_dimensions=34), model)
+    with pytest.raises(ValueError, match='block_dimensions'):
+        guards.check_event_matches_model(_event(block_dimensions=33), model)
+
+
+def test_microbatched_optimizer_is_refused():
+    with pytest.raises(ValueError, match='num_microbatches=4'):
+        guards.model_dp_params(_compiled(num_microbatches=4))

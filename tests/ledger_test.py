@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
+from tf_twice.keras import DPModel
 from tf_twice.keras import ledger as ledger_lib
 from tf_twice.keras.ledger import PrivacyLedger
 
@@ -315,3 +317,96 @@ def test_bad_arguments(kwargs, match):
         ledger.record_steps(0)
     with pytest.raises(ValueError, match='extra_steps'):
         ledger.epsilon_after(-1)
+
+
+
+# --- for_model and the checks at the start of fit ---------------------------
+
+# The parameters of EVENT's step on the 64 examples of X (q1 = 16 / 64).
+DP_PARAMS = dict(l2_norm_clip=1.0, linf_norm_clip=0.5, noise_multiplier=1.0,
+                 coordinate_sampling_rate=0.5, expected_batch_size=16)
+
+
+def _dp_optimizer_model(num_microbatches=None, **changes):
+    model = _model()
+    params = dict(DP_PARAMS, **changes)
+    model.compile(
+        optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            learning_rate=0.1, num_microbatches=num_microbatches, seed=0,
+            **params),
+        loss=tf.keras.losses.MeanSquaredError(
+            reduction=tf.keras.losses.Reduction.NONE))
+    return model
+
+
+def _dp_model(**changes):
+    dp = DPModel(_model(), physical_batch_size=8, seed=0,
+                 **dict(DP_PARAMS, **changes))
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse')
+    return dp
+
+
+def test_for_model_builds_the_models_event(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(
+        dp, num_examples=64, delta=DELTA, target_epsilon=50.0,
+        state_path=path, save_every_steps=3, orders=[2, 4, 8], verbose=0)
+    assert ledger.event == EVENT == dp.dp_event(64)
+    assert (ledger.delta, ledger.target_epsilon, ledger.state_path) == (
+        DELTA, 50.0, path)
+    np.testing.assert_array_equal(ledger.orders, [2, 4, 8])
+    optimizer_model = _dp_optimizer_model()
+    assert PrivacyLedger.for_model(optimizer_model, num_examples=64,
+                                   delta=DELTA).event == EVENT
+
+
+@pytest.mark.parametrize('make, kwargs, match', [
+    (lambda: _model(), {}, 'DPModel'),  # A plain SGD optimizer.
+    (lambda: _dp_optimizer_model(num_microbatches=4), {}, 'num_microbatches'),
+    (_dp_model, dict(num_examples=15), 'num_examples'),
+    (_dp_model, dict(delta=2.0), 'delta'),
+])
+def test_for_model_refusals(make, kwargs, match):
+    args = dict(num_examples=64, delta=DELTA)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        PrivacyLedger.for_model(make(), **args)
+
+
+def test_optimizer_path_is_accounted_and_checked():
+    model = _dp_optimizer_model()
+    ledger = PrivacyLedger.for_model(model, num_examples=64, delta=DELTA)
+    model.fit(_data(steps=2), epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 2 == int(model.optimizer.iterations)
+    other = _dp_optimizer_model(noise_multiplier=0.8)
+    with pytest.raises(ValueError, match='noise_multiplier=1.0.*0.8'):
+        other.fit(_data(steps=2), callbacks=[PrivacyLedger(EVENT, DELTA)],
+                  verbose=0)
+    assert int(other.optimizer.iterations) == 0
+    micro = _dp_optimizer_model(num_microbatches=4)
+    with pytest.raises(ValueError, match='num_microbatches'):
+        micro.fit(_data(steps=2), callbacks=[PrivacyLedger(EVENT, DELTA)],
+                  verbose=0)
+
+
+def test_ledger_alone_checks_a_dp_model():
+    # Keras's own fit, without DPModel.fit's checks: the ledger still refuses.
+    dp = _dp_model(linf_norm_clip=0.25)
+    ledger = PrivacyLedger(EVENT, DELTA)
+    with pytest.raises(ValueError, match='linf_norm_clip=0.5'):
+        tf.keras.Model.fit(dp, _data(steps=2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 0 and int(dp.optimizer.iterations) == 0
+
+
+def test_batch_norm_model_is_refused_before_any_step(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    model = tf.keras.Sequential([
+        tf.keras.layers.Dense(3, input_shape=(4,)),
+        tf.keras.layers.BatchNormalization(name='bn')])
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse')
+    ledger = PrivacyLedger(EVENT, DELTA, state_path=path)
+    with pytest.raises(ValueError, match='bn.*GroupNormalization'):
+        model.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    assert int(model.optimizer.iterations) == 0 and ledger.steps == 0
+    assert not os.path.exists(path)

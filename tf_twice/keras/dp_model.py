@@ -21,16 +21,39 @@ with l2 bound ``l2_norm_clip`` and l-infinity bound ``linf_norm_clip``
 (the paper's "Privacy Amplification from Twice Sampling" theorem); the
 optimizer update is post-processing. Reported loss and metrics are computed
 on the real examples without noise and are not private.
+
+Accounting: ``DPModel.dp_event(n)`` is the ``TwiceSampledGaussianDpEvent``
+of one step, and ``PrivacyLedger.for_model(model, num_examples=n, ...)``
+builds a ledger from it. When ``fit`` gets a ``PrivacyLedger`` among its
+callbacks it refuses input that is not Poisson-sampled and a ledger event
+that differs from the model's parameters (``guards``), so the ledger's
+epsilon is for the training that runs.
+
+Checkpoints: the mask and noise generator (``dp_generator``) is part of the
+model's TensorFlow checkpoint (``save_weights`` in the TF format,
+``tf.train.Checkpoint``, ``BackupAndRestore``), so a restored run continues
+its random stream instead of replaying it. Files without it (``.h5``,
+``.keras``) reseed the generator from fresh OS entropy on ``load_weights``.
 """
 
-from typing import Any, Dict, Optional
+import logging
+import os
+import secrets
+from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
+from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.keras import guards
+from tf_twice.keras import ledger as ledger_lib
 from tf_twice.mechanism import aggregation
 
 __all__ = ['DPModel', 'make_private']
+
+_LOGGER = logging.getLogger(__name__)
+# Prefix of the generator's entries in the model's checkpoint.
+_GENERATOR_CHECKPOINT_KEY = '_dp_generator/'
+
 
 def _per_example_loss_fn(loss: Any):
     """Returns f(y_true, y_pred) -> per-example losses [B] for ``loss``."""
@@ -77,6 +100,26 @@ def _example_weights(sample_weight, size: tf.Tensor) -> tf.Tensor:
     return tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
 
 
+def _ledgers(callbacks: Any) -> List[ledger_lib.PrivacyLedger]:
+    """The `PrivacyLedger`s among `fit`'s callbacks (list or CallbackList)."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return [c for c in tf.nest.flatten(callbacks)
+            if isinstance(c, ledger_lib.PrivacyLedger)]
+
+
+def _checkpoint_has_generator(filepath: Any) -> bool:
+    """Whether a TF-format checkpoint at `filepath` holds a DP generator."""
+    try:
+        names = [name for name, _ in tf.train.list_variables(
+            os.fspath(filepath))]
+    except (tf.errors.OpError, ValueError, TypeError):
+        return False  # Not a TF checkpoint (.h5, .keras, SavedModel...).
+    return any(name.startswith(_GENERATOR_CHECKPOINT_KEY) for name in names)
+
+
 def _pad_rows(t: tf.Tensor, padded_size: tf.Tensor) -> tf.Tensor:
     rank = t.shape.rank
     if rank is None or rank == 0:
@@ -100,8 +143,14 @@ class DPModel(tf.keras.Model):
 
     Compile it with a plain Keras optimizer (e.g. ``tf.keras.optimizers.SGD``)
     and any per-example-capable loss; the noise is added here, not by the
-    optimizer. ``predict``/``evaluate``/``save_weights`` act on the wrapped
-    model's variables.
+    optimizer. ``predict``/``evaluate`` act on the wrapped model;
+    ``save_weights`` (TF format) also saves the optimizer and the DP
+    generator state, so a restored run does not replay masks and noise.
+
+    Guarantee: fed Poisson-sampled logical batches of n examples (one per
+    step, ``tf_twice.sampling.poisson_batches``), each step is the
+    ``dp_event(n)`` mechanism; T steps are (epsilon, delta)-DP with the
+    epsilon of T compositions of that event (what ``PrivacyLedger`` reports).
     """
 
     def __init__(
@@ -167,8 +216,33 @@ class DPModel(tf.keras.Model):
 
     @property
     def dp_generator(self) -> tf.random.Generator:
-        """The generator of the per-step mask and noise keys."""
+        """The generator of the per-step mask and noise keys.
+
+        Tracked by the model's checkpoint (as ``_dp_generator``): restoring
+        a TF-format checkpoint rewinds it to the checkpoint's step.
+        Restoring after a crash therefore redraws the keys of the steps that
+        ran after the last checkpoint and were lost; that is harmless while
+        nothing those lost steps computed was released (their weights were
+        never saved). If it might have been (e.g. a callback exported the
+        weights after every step), call
+        ``model.dp_generator.reset_from_seed(<new seed>)`` after restoring.
+        """
         return self._dp_generator
+
+    def dp_event(self, num_examples: int) -> TwiceSampledGaussianDpEvent:
+        """The DpEvent of one ``train_step`` on n = ``num_examples`` examples.
+
+        With Poisson sampling at q1 = expected_batch_size / n, one step is
+        exactly ``TwiceSampledGaussianDpEvent(example_sampling_rate=q1,
+        coordinate_sampling_rate=q2, noise_multiplier=z, l2_norm_clip=c2,
+        linf_norm_clip=c_inf)`` (q2 is the nominal rate; the masks keep
+        coordinates with a rate at most q2, which the bound covers).
+
+        Raises:
+          ValueError: num_examples is not an integer >= expected_batch_size,
+            or noise_multiplier is 0 (no DP guarantee to account).
+        """
+        return guards.dp_event_from_params(self.dp_params, num_examples)
 
     def call(self, inputs, training=None, mask=None):
         return self.inner_model(inputs, training=training)
@@ -182,6 +256,77 @@ class DPModel(tf.keras.Model):
         self._example_loss = _per_example_loss_fn(loss)
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto',
+            callbacks=None, *args, allow_non_poisson_input: bool = False,
+            **kwargs):
+        """``tf.keras.Model.fit``, checked against its privacy ledgers.
+
+        Each element of ``x`` is one logical batch, i.e. one DP step. When a
+        ``PrivacyLedger`` is among ``callbacks``, before any step runs:
+
+        * ``x`` must be Poisson-sampled logical batches
+          (``tf_twice.sampling.poisson_batches``) at the ledger event's
+          example rate q1: the accountant's epsilon is not a bound for
+          arrays batched by ``fit`` or ``shuffle().batch()`` pipelines, so
+          they are refused (ValueError);
+        * the ledger's event must match this model: noise multiplier, l2 and
+          l-infinity clips, coordinate rate and q1 * n = expected_batch_size
+          with n the dataset's number of examples (ValueError naming the
+          field).
+
+        Without a ledger, ``fit`` trains as ``tf.keras.Model.fit`` does and
+        NOTHING IS ACCOUNTED: no epsilon holds unless the caller accounts
+        the steps (and their sampling) by other means.
+
+        Args:
+          x, y, batch_size, epochs, verbose, callbacks, *args, **kwargs: as
+            in ``tf.keras.Model.fit``.
+          allow_non_poisson_input: True downgrades the refusal of
+            non-Poisson input to a ``NonPoissonInputWarning``, for
+            experiments that claim no epsilon: the ledger's epsilon then
+            DOES NOT HOLD for the run. Event mismatches are always refused.
+
+        Raises:
+          ValueError: see above, or a check of ``tf.keras.Model.fit``.
+        """
+        if not isinstance(allow_non_poisson_input, bool):
+            raise ValueError('allow_non_poisson_input must be True or False; '
+                             f'got {allow_non_poisson_input!r}.')
+        for ledger in _ledgers(callbacks):
+            event = ledger.event
+            info = guards.check_poisson_input(
+                x,
+                example_sampling_rate=getattr(event, 'example_sampling_rate',
+                                              None),
+                strict=not allow_non_poisson_input)
+            guards.check_event_matches_model(
+                event, self,
+                num_examples=None if info is None else info.num_examples)
+        return super().fit(x, y, batch_size, epochs, verbose, callbacks,
+                           *args, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """``tf.keras.Model.load_weights``; never replays the DP generator.
+
+        A TF-format checkpoint of a DPModel restores ``dp_generator`` with
+        the weights. Any other file (``.h5``, ``.keras``, a TF checkpoint
+        saved without it) leaves it where it is, and for a seeded
+        model that is the seed's first keys again: a resumed run would add
+        the same noise and masks as the first steps. So the generator is
+        then reseeded from fresh OS entropy (a warning says so when the
+        model was seeded).
+        """
+        status = super().load_weights(filepath, *args, **kwargs)
+        if not _checkpoint_has_generator(filepath):
+            self._dp_generator.reset_from_seed(secrets.randbits(63))
+            if self._seed is not None:
+                _LOGGER.warning(
+                    'DPModel.load_weights: %s holds no DP generator state '
+                    '(use the TF checkpoint format to keep it); reseeded the '
+                    'mask and noise generator from OS entropy so that the '
+                    'seed\'s keys are not replayed.', filepath)
+        return status
 
     @property
     def metrics(self):
@@ -351,7 +496,12 @@ def make_private(model: tf.keras.Model, **dp_kwargs) -> DPModel:
     private.compile(optimizer=tf.keras.optimizers.SGD(0.5),
                     loss=tf.keras.losses.SparseCategoricalCrossentropy(
                         from_logits=True), metrics=['accuracy'])
-    private.fit(logical_batches, epochs=...)  # one logical batch per element
+    data = tf_twice.sampling.poisson_batches(
+        x, y, physical_batch_size=128, expected_batch_size=256)
+    ledger = PrivacyLedger.for_model(
+        private, num_examples=len(x), delta=1e-5, target_epsilon=3.0,
+        state_path='checkpoints/privacy_ledger.json')
+    private.fit(data, epochs=..., callbacks=[ledger])  # accounted and checked
     ```
     """
     return DPModel(model, **dp_kwargs)

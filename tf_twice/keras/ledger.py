@@ -31,6 +31,17 @@ Guarantees:
   only by choosing a new file. If the file's events differ from the current
   one (new noise, new sampling rate), both are composed.
 
+* **Accounts the mechanism that runs.** `PrivacyLedger.for_model` builds
+  the event from the model's own parameters (a `DPModel`, or a model
+  compiled with a tf_twice DP optimizer). At the start of every `fit` the
+  ledger refuses a model with BatchNormalization (no per-example
+  gradients) and, for such a DP model, an event whose noise multiplier,
+  clips or coordinate rate differ from the model's
+  (`guards.check_event_matches`); `DPModel.fit` also checks the input is
+  Poisson-sampled at the event's q1. A plain Keras model is only checked
+  for BatchNormalization: its steps are counted as the given event, which
+  the caller vouches for.
+
 Logging: at each epoch end `logs['epsilon']` is set, so it reaches `History`
 and every callback listed AFTER the ledger (put `TensorBoard`/`CSVLogger`
 after it). With `log_dir`, the ledger also writes the scalar
@@ -71,6 +82,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice.accounting import TwiceSamplingRdpAccountant
+from tf_twice.keras import guards
 
 __all__ = ['PrivacyLedger', 'STATE_FORMAT', 'STATE_VERSION']
 
@@ -260,7 +272,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
     Raises:
       ValueError: for an argument outside its range, an event the accountant
-        cannot compose, or an unreadable state file.
+        cannot compose, or an unreadable state file; when `fit` starts, for
+        a model with BatchNormalization or a tf_twice DP model whose
+        parameters differ from the event's.
     """
 
     def __init__(self,
@@ -290,6 +304,55 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             _LOGGER.warning('PrivacyLedger: resumed %d steps from %s '
                             '(epsilon %.4g at delta %g).', self._steps,
                             state_path, self.epsilon, self._delta)
+
+    @classmethod
+    def for_model(cls,
+                  model: tf.keras.Model,
+                  *,
+                  num_examples: int,
+                  delta: float,
+                  target_epsilon: Optional[float] = None,
+                  state_path: Optional[str] = None,
+                  save_every_steps: int = 10,
+                  orders: Optional[Sequence[float]] = None,
+                  log_dir: Optional[str] = None,
+                  verbose: int = 1) -> 'PrivacyLedger':
+        """A ledger whose event is `model`'s own step on `num_examples`.
+
+        `model` is a `tf_twice.keras.DPModel` (event: `model.dp_event(n)`)
+        or a Keras model compiled with a tf_twice `TwiceSamplingDPKeras*
+        Optimizer` with `num_microbatches=None` (event from the optimizer's
+        `dp_params`, q1 = expected_batch_size / n). Either way the event is
+        `TwiceSampledGaussianDpEvent(q1, q2, z, c2, c_inf)` of the
+        parameters that run, so nothing is copied by hand. The other
+        arguments are the constructor's.
+
+        Args:
+          model: the DP model that `fit` will train.
+          num_examples: n, the size of the private training set (the
+            dataset's `PoissonSamplingInfo.num_examples`).
+          delta, target_epsilon, state_path, save_every_steps, orders,
+            log_dir, verbose: as in `PrivacyLedger`.
+
+        Raises:
+          ValueError: `model` is not a tf_twice DP model, its optimizer uses
+            num_microbatches (not covered by the accountant), num_examples
+            < expected_batch_size, noise_multiplier is 0, or an argument of
+            the constructor is outside its range.
+        """
+        params = guards.model_dp_params(model)
+        if params is None:
+            raise ValueError(
+                'model must be a tf_twice.keras.DPModel or a Keras model '
+                'compiled with a tf_twice TwiceSamplingDPKeras*Optimizer; got '
+                f'{type(model).__name__} with optimizer '
+                f'{type(getattr(model, "optimizer", None)).__name__}. For '
+                'other models build the DpEvent and call PrivacyLedger(event, '
+                'delta, ...).')
+        event = guards.dp_event_from_params(params, num_examples)
+        return cls(event, delta, target_epsilon=target_epsilon,
+                   state_path=state_path, save_every_steps=save_every_steps,
+                   orders=orders, log_dir=log_dir, verbose=verbose)
 
     def _setup(self, event, delta, *, target_epsilon, save_every_steps,
                orders, log_dir, verbose, history):
@@ -580,6 +643,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._stopped_by_budget = True
 
     def on_train_begin(self, logs=None):
+        # Refused before any step runs, so nothing is charged for them.
+        guards.check_no_batch_norm(self.model)
+        guards.check_event_matches_model(self._event, self.model)
         self._unblock()
         self._stopped_by_budget = False
         self._counter_seen = self._read_counter() or 0
