@@ -35,8 +35,8 @@ _L2_NORM_CLIP = flags.DEFINE_list('l2_norm_clip', ['1.0'],
 _LINF_NORM_CLIP = flags.DEFINE_list(
     'linf_norm_clip', ['none'], 'l-infinity clip norm(s), or "none".')
 _USED_MICROBATCHING = flags.DEFINE_boolean(
-    'used_microbatching', False, 'Whether gradients were clipped per '
-    'microbatch of several examples (doubles the sensitivity).')
+    'used_microbatching', False, 'Kept for tf_privacy compatibility; must be '
+    'false (the analysis assumes per-example clipping).')
 _CONVERSION = flags.DEFINE_enum(
     'conversion', 'dp_accounting', ['dp_accounting', 'basic'],
     'RDP to (epsilon, delta) conversion; "basic" reproduces the paper.')

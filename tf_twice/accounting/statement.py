@@ -40,14 +40,21 @@ def _check_dataset(number_of_examples, batch_size, num_epochs
         number_of_examples, batch_size, num_epochs)
 
 
-def _effective_noise(noise_multiplier, used_microbatching: bool):
-    """Microbatches of several examples double the sensitivity (tf_privacy's
-    convention), which is the same as halving every noise multiplier."""
-    if not used_microbatching:
-        return noise_multiplier
-    if isinstance(noise_multiplier, (int, float)):
-        return noise_multiplier / 2
-    return tuple(z / 2 for z in noise_multiplier)
+def _check_no_microbatching(used_microbatching: bool) -> None:
+    """Refuses microbatched clipping, which this analysis does not cover.
+
+    tf_privacy's statement halves the noise multiplier for microbatches of
+    several examples. Under Poisson sampling one added example can change
+    the membership of several microbatches, and the coordinate-sampling
+    analysis assumes one clipped contribution per example, so no such
+    simple correction is claimed here.
+    """
+    if used_microbatching:
+        raise ValueError(
+            'used_microbatching must be False: the twice-sampling guarantee '
+            'assumes every example is clipped on its own (tf_twice\'s '
+            'training paths do this; microbatched clipping is refused by its '
+            'privacy ledger too).')
 
 
 def compute_twice_sampling_privacy(
@@ -171,10 +178,10 @@ def compute_twice_sampling_privacy_statement(
     Same arguments as tf_privacy's `compute_dp_sgd_privacy_statement`, plus
     the coordinate sampling rate and the clip norms (one per hybrid block for
     several blocks). tf_twice clips every example on its own, so
-    `used_microbatching` defaults to False; True doubles the sensitivity as in
-    tf_privacy. The report gives epsilon under Poisson sampling, the epsilon
-    of standard DP-SGD with Poisson sampling at q1 * q2 and the same noise
-    (computed by tf_privacy), and the noise-variance ratio at equal epsilon.
+    `used_microbatching` must be False (True raises ValueError). The report
+    gives epsilon under Poisson sampling, the epsilon of standard DP-SGD with
+    Poisson sampling at q1 * q2 and the same noise (computed by tf_privacy),
+    and the noise-variance ratio at equal epsilon.
     """
     n, q1, num_epochs, steps = _check_dataset(number_of_examples, batch_size,
                                               num_epochs)
@@ -182,11 +189,11 @@ def compute_twice_sampling_privacy_statement(
     q2 = blocks_lib.check_rate('coordinate_sampling_rate',
                                coordinate_sampling_rate)
     conversion = conversion_lib.as_conversion(conversion)
-    noise = _effective_noise(noise_multiplier, used_microbatching)
-    blocks = blocks_lib.Blocks.from_arguments(noise, l2_norm_clip,
-                                              linf_norm_clip, block_dimensions)
+    _check_no_microbatching(used_microbatching)
+    blocks = blocks_lib.Blocks.from_arguments(
+        noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions)
     eps, order = compute_twice_sampling_privacy(
-        n, batch_size, noise, num_epochs, delta, q2, l2_norm_clip,
+        n, batch_size, noise_multiplier, num_epochs, delta, q2, l2_norm_clip,
         linf_norm_clip, block_dimensions=block_dimensions,
         conversion=conversion)
     z_eff = blocks.effective_noise_multiplier()
@@ -204,8 +211,8 @@ def compute_twice_sampling_privacy_statement(
         f'{_format_blocks(l2_norm_clip)} and l-infinity clip '
         f'{_format_blocks(linf_norm_clip)} '
         f'(d0 = {_format_blocks(d0[0] if one_block else d0)}) for '
-        f'{num_epochs:g} epochs ({steps} steps) '
-        f'{"with" if used_microbatching else "without"} microbatching'
+        f'{num_epochs:g} epochs ({steps} steps), every example clipped on '
+        'its own (no microbatching)'
         + ('' if one_block else f', over {blocks.size} hybrid-clipping '
            f'blocks (effective noise multiplier {z_eff:.4g})')
         + '.', width=_WIDTH)]
