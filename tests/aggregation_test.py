@@ -298,5 +298,169 @@ def test_effective_rate():
     assert agg.effective_coordinate_sampling_rate(1 / 3) == 21845 / 65536
 
 
+
+# --- several blocks ---------------------------------------------------------
+
+
+def test_one_block_is_exactly_the_single_block_aggregation():
+    grads = _grads(7, seed=12, scale=2.0)
+    key = agg.draw_step_key(tf.random.Generator.from_seed(3))
+    kwargs = dict(coordinate_sampling_rate=0.5, key=key, example_offset=2,
+                  weights=np.linspace(0, 1, 7).astype(np.float32))
+    single = agg.clipped_masked_sum(grads, l2_norm_clip=0.8,
+                                    linf_norm_clip=0.2, **kwargs)
+    blocks = agg.clipped_masked_block_sums(
+        [grads], l2_norm_clips=[0.8], linf_norm_clips=[0.2], **kwargs)
+    for a, b in zip(single, blocks[0]):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    noisy = agg.add_noise_and_normalize(
+        single, l2_norm_clip=0.8, noise_multiplier=1.5,
+        expected_batch_size=5.0, coordinate_sampling_rate=0.5, key=key)
+    noisy_blocks = agg.add_block_noise_and_normalize(
+        [single], l2_norm_clips=[0.8], noise_multipliers=[1.5],
+        expected_batch_size=5.0, coordinate_sampling_rate=0.5, key=key)
+    for a, b in zip(noisy, noisy_blocks[0]):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def _corr(a, b):
+    return np.corrcoef(np.ravel(a).astype(float),
+                       np.ravel(b).astype(float))[0, 1]
+
+
+def test_blocks_draw_independent_masks_and_noise_from_one_key():
+    # Two blocks of identical shapes under the same step key: their masks
+    # and noise must come from different streams, i.e. differ and be
+    # uncorrelated (|corr| < 5 standard errors of 1/sqrt(n)).
+    key = agg.draw_step_key(tf.random.Generator.from_seed(21))
+    shapes = [(1000,), (30, 20)]
+    masks = [np.concatenate([m.numpy().reshape(200, -1) for m in
+                             agg.coordinate_masks(key, shapes, 0.5, 200,
+                                                  block=j)], axis=1)
+             for j in range(3)]
+    noise = [np.concatenate([e.numpy().ravel() for e in
+                             agg.standard_normal_noise(
+                                 key, [(100000,), (30, 20)], [tf.float32] * 2,
+                                 block=j)]) for j in range(3)]
+    for j, k in [(0, 1), (0, 2), (1, 2)]:
+        assert not np.array_equal(masks[j], masks[k])
+        assert abs(_corr(masks[j], masks[k])) < 5 / math.sqrt(masks[j].size)
+        assert not np.array_equal(noise[j], noise[k])
+        assert abs(_corr(noise[j], noise[k])) < 5 / math.sqrt(noise[j].size)
+    # Block 0 is the single-block layout.
+    np.testing.assert_array_equal(
+        masks[0][:, :1000],
+        agg.coordinate_masks(key, shapes, 0.5, 200)[0].numpy())
+
+
+def test_block_sums_use_each_blocks_own_streams():
+    # Identical gradients in two blocks: generated masks make their sums
+    # differ, and each block's sum equals the sum with block j's masks.
+    grads = _grads(6, seed=14, scale=0.2)
+    key = agg.draw_step_key(tf.random.Generator.from_seed(8))
+    sums = agg.clipped_masked_block_sums(
+        [grads, grads], l2_norm_clips=[10.0, 10.0],
+        coordinate_sampling_rate=0.5, key=key, jit_compile=False)
+    assert not np.allclose(sums[0][0].numpy(), sums[1][0].numpy())
+    for j in range(2):
+        masks = agg.coordinate_masks(key, SHAPES, 0.5, 6, block=j)
+        want = agg.clipped_masked_sum(grads, l2_norm_clip=10.0,
+                                      coordinate_sampling_rate=0.5,
+                                      masks=masks)
+        for a, b in zip(sums[j], want):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6,
+                                       atol=1e-7)
+    noisy = agg.add_block_noise_and_normalize(
+        [[tf.zeros(s) for s in SHAPES]] * 2, l2_norm_clips=[1.0, 1.0],
+        noise_multipliers=[1.0, 1.0], expected_batch_size=1.0, key=key)
+    for j in range(2):
+        want = agg.standard_normal_noise(key, SHAPES, [tf.float32] * 3,
+                                         block=j)
+        for a, b in zip(noisy[j], want):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_blocks_are_clipped_on_their_own():
+    # Block 0: one big coordinate; block 1: many small ones. Each block is
+    # clipped to its own l2 and l-infinity bounds; no budget is shared.
+    big = [np.zeros((1, 4), np.float32)]
+    big[0][0, 0] = 10.0
+    small = [np.full((1, 100), 0.5, np.float32)]
+    sums = agg.clipped_masked_block_sums(
+        [big, small], l2_norm_clips=[2.0, 1.0], linf_norm_clips=[None, 0.05])
+    np.testing.assert_allclose(sums[0][0].numpy(), [2.0, 0, 0, 0])
+    np.testing.assert_allclose(sums[1][0].numpy(), np.full(100, 0.05),
+                               rtol=1e-6)
+
+
+def test_non_finite_example_is_dropped_from_every_block():
+    grads = _grads(4, seed=15)
+    other = [g.copy() for g in grads]
+    other[0][2, 0, 0] = np.nan  # example 2, block 1 only
+    got = agg.clipped_masked_block_sums([grads, other],
+                                        l2_norm_clips=[1.0, 1.0])
+    good = [np.delete(g, 2, axis=0) for g in grads]
+    want = agg.clipped_masked_sum(good, l2_norm_clip=1.0)
+    for j in range(2):
+        for a, b in zip(got[j], want):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+
+
+def test_empty_tensors_in_a_block_sum_to_empty():
+    grads = [np.ones((3, 0), np.float32), np.ones((3, 2), np.float32)]
+    sums = agg.clipped_masked_block_sums(
+        [grads], l2_norm_clips=[1.0], coordinate_sampling_rate=0.5,
+        key=agg.draw_step_key(tf.random.Generator.from_seed(1)))
+    assert sums[0][0].shape == (0,) and sums[0][1].shape == (2,)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(l2_norm_clips=[1.0]), 'l2_norm_clips must have one entry per '
+     'block'),
+    (dict(l2_norm_clips=[1.0, 0.0]), 'block 1: l2_norm_clip must be > 0'),
+    (dict(l2_norm_clips=[1.0, 1.0], linf_norm_clips=[0.1]),
+     'linf_norm_clips must have one entry per block'),
+    (dict(l2_norm_clips=[1.0, 1.0], masks=[[np.ones((2, 3))]]),
+     'masks must have one entry per block'),
+])
+def test_block_arguments_are_validated(kwargs, match):
+    block = [np.ones((2, 3), np.float32)]
+    with pytest.raises(ValueError, match=match):
+        agg.clipped_masked_block_sums([block, block], **kwargs)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(l2_norm_clip=(1.0, 2.0), noise_multiplier=1.0),
+     'noise_multiplier must be a sequence'),
+    (dict(l2_norm_clip=(1.0,), noise_multiplier=(1.0,)), 'at least 2'),
+    (dict(l2_norm_clip=(1.0, 2.0), noise_multiplier=(1.0, 1.0, 1.0)),
+     'noise_multiplier must have one value per block'),
+    (dict(l2_norm_clip=(1.0, 2.0), noise_multiplier=(1.0, 1.0),
+          linf_norm_clip=0.1), 'linf_norm_clip must be None or a sequence'),
+    (dict(l2_norm_clip=(1.0, -2.0), noise_multiplier=(1.0, 1.0)),
+     'block 1: l2_norm_clip'),
+    (dict(l2_norm_clip=1.0, noise_multiplier=1.0, linf_norm_clip=(0.1, 0.2)),
+     'l2_norm_clip must be a sequence'),
+])
+def test_per_block_params_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        agg.AggregationParams(expected_batch_size=4.0, **kwargs)
+
+
+def test_per_block_params():
+    params = agg.AggregationParams(
+        l2_norm_clip=np.array([0.5, 1.0]), noise_multiplier=[2, 3],
+        linf_norm_clip=[0.1, None], expected_batch_size=8)
+    assert params.num_blocks == 2
+    assert params.l2_norm_clip == (0.5, 1.0)
+    assert params.noise_multipliers == (2.0, 3.0)
+    assert params.linf_norm_clips == (0.1, None)
+    assert params.to_dict()['l2_norm_clip'] == [0.5, 1.0]
+    assert agg.AggregationParams(**params.to_dict()) == params
+    one = agg.AggregationParams(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                expected_batch_size=4.0)
+    assert one.num_blocks == 1 and one.linf_norm_clips == (None,)
+
+
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))

@@ -391,5 +391,16 @@ def test_load_weights_without_generator_reseeds(tmp_path):
     assert not np.array_equal(_generator_state(fresh), seed_state)
 
 
+
+def test_dp_model_without_basis_has_no_basis_state():
+    dp = make_private(_mlp(), physical_batch_size=4, **DP)
+    assert dp.basis is None and dp.dp_params.num_blocks == 1
+    assert dp.dp_event(NUM_EXAMPLES).block_dimensions is None
+    with pytest.raises(ValueError, match='no basis is given'):
+        make_private(_mlp(), physical_batch_size=4,
+                     **dict(DP, l2_norm_clip=(0.5, 0.1),
+                            noise_multiplier=(1.0, 1.0), linf_norm_clip=None))
+
+
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))

@@ -293,3 +293,66 @@ def test_model_dp_params_of_optimizer_and_plain_models():
 def test_microbatched_optimizer_is_refused():
     with pytest.raises(ValueError, match='num_microbatches=4'):
         guards.model_dp_params(_compiled(num_microbatches=4))
+
+
+# --- several blocks (hybrid clipping) ---------------------------------------
+
+BLOCKS = dict(l2_norm_clip=(0.8, 0.6), linf_norm_clip=(0.1, None),
+              noise_multiplier=(1.2, 2.0), coordinate_sampling_rate=0.5,
+              expected_batch_size=64.0)
+
+
+def _blocks_event(**changes):
+    fields = dict(example_sampling_rate=64 / N, coordinate_sampling_rate=0.5,
+                  noise_multiplier=(1.2, 2.0), l2_norm_clip=(0.8, 0.6),
+                  linf_norm_clip=(0.1, None), block_dimensions=(7, 34))
+    fields.update(changes)
+    return TwiceSampledGaussianDpEvent(**fields)
+
+
+def test_multi_block_event_matches_block_by_block():
+    guards.check_event_matches(_blocks_event(), num_examples=N,
+                               block_dimensions=(7, 34), **BLOCKS)
+    # No dimensions in the event: sound, only looser; accepted.
+    guards.check_event_matches(_blocks_event(block_dimensions=None),
+                               **BLOCKS)
+    # An l-infinity clip >= c2 is the same bound as None.
+    guards.check_event_matches(
+        _blocks_event(linf_norm_clip=(0.1, 5.0)), block_dimensions=(7, 34),
+        **BLOCKS)
+
+
+@pytest.mark.parametrize('changes, match', [
+    (dict(noise_multiplier=(1.2, 2.1)), r'noise_multiplier=.*\(block 1\)'),
+    (dict(l2_norm_clip=(0.7, 0.6)), r'l2_norm_clip=.*\(block 0\)'),
+    (dict(linf_norm_clip=(0.1, 0.05)), r'linf_norm_clip=.*\(block 1'),
+    (dict(block_dimensions=(6, 34)), 'block_dimensions=.*principal ranks'),
+    (dict(noise_multiplier=(1.2, 2.0, 1.0), l2_norm_clip=(0.8, 0.6, 1.0),
+          linf_norm_clip=None, block_dimensions=None), '3 blocks'),
+])
+def test_multi_block_mismatch_is_named(changes, match):
+    with pytest.raises(ValueError, match=match):
+        guards.check_event_matches(_blocks_event(**changes), num_examples=N,
+                                   block_dimensions=(7, 34), **BLOCKS)
+
+
+def test_multi_block_event_needs_the_models_dimensions():
+    with pytest.raises(ValueError, match="model's basis"):
+        guards.check_event_matches(_blocks_event(), **BLOCKS)
+    with pytest.raises(ValueError, match='1 block'):
+        guards.check_event_matches(_blocks_event(), **PARAMS)
+
+
+def test_dp_event_from_multi_block_params():
+    params = aggregation.AggregationParams(**BLOCKS)
+    event = guards.dp_event_from_params(params, N, block_dimensions=(7, 34))
+    assert event == _blocks_event()
+    assert guards.dp_event_from_params(params, N) == _blocks_event(
+        block_dimensions=None)
+    with pytest.raises(ValueError, match='one entry per block'):
+        guards.dp_event_from_params(params, N, block_dimensions=(7,))
+    silent = aggregation.AggregationParams(**dict(
+        BLOCKS, noise_multiplier=(1.0, 0.0)))
+    with pytest.raises(ValueError, match=r'> 0 for a DP guarantee \(block 1'):
+        guards.dp_event_from_params(silent, N)
+    assert guards.model_basis(_dense()) is None

@@ -410,3 +410,28 @@ def test_batch_norm_model_is_refused_before_any_step(tmp_path):
         model.fit(_data(steps=2), callbacks=[ledger], verbose=0)
     assert int(model.optimizer.iterations) == 0 and ledger.steps == 0
     assert not os.path.exists(path)
+
+
+def test_for_model_with_a_basis_accounts_every_block(tmp_path):
+    from tf_twice.mechanism import basis as basis_lib
+    grads = basis_lib.public_per_example_gradients(
+        _model(), tf.keras.losses.MeanSquaredError(), X[:16], Y[:16])
+    basis = basis_lib.learn_basis(grads, [2, 3])
+    dp = DPModel(_model(), physical_batch_size=8, seed=0, basis=basis,
+                 l2_norm_clip=(0.5, 0.5, 0.7),
+                 noise_multiplier=(1.0, 1.0, 2.0), linf_norm_clip=None,
+                 expected_batch_size=16.0, coordinate_sampling_rate=0.5)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse')
+    path = str(tmp_path / 'ledger.json')
+    ledger = PrivacyLedger.for_model(dp, num_examples=64, delta=DELTA,
+                                     state_path=path, verbose=0)
+    event = TwiceSampledGaussianDpEvent(
+        example_sampling_rate=Q1, coordinate_sampling_rate=0.5,
+        noise_multiplier=(1.0, 1.0, 2.0), l2_norm_clip=(0.5, 0.5, 0.7),
+        linf_norm_clip=None, block_dimensions=(2, 3, 15))
+    assert ledger.event == event
+    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    resumed = PrivacyLedger(event, DELTA, state_path=path, verbose=0)
+    assert resumed.steps == 2
+    assert resumed.epsilon == pytest.approx(_accountant_epsilon((event, 2)),
+                                            rel=1e-12)

@@ -258,5 +258,39 @@ def test_apply_without_dp_gradients_is_refused():
         opt.apply_gradients([(tf.constant([1.0]), var)])
 
 
+
+def test_optimizer_with_a_basis_runs_the_hybrid_step():
+    # Softmax regression: the optimizer's update equals the shared hybrid
+    # step on the same per-example gradients and key.
+    from tf_twice.mechanism import basis as basis_lib
+    from tf_twice.mechanism import hybrid
+    model = _linear()
+    x, y = _data()
+    w, b = [v.numpy() for v in model.trainable_variables]
+    grads = _softmax_per_example_grads(w, b, x, y)
+    basis = basis_lib.learn_basis([g.astype(np.float32) for g in grads],
+                                  [2], groups=2)
+    dp = dict(l2_norm_clip=(0.3, 0.2), noise_multiplier=(1.0, 2.0),
+              linf_norm_clip=(None, 0.05), coordinate_sampling_rate=0.5,
+              expected_batch_size=BATCH)
+    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        basis=basis, seed=3, learning_rate=0.5, **dp)
+    assert opt.basis is basis and opt.dp_params.num_blocks == 2
+    key = agg.draw_step_key(tf.random.Generator.from_seed(3))
+    params = agg.AggregationParams(**dp)
+    update = hybrid.noisy_update(
+        hybrid.block_sums([g.astype(np.float32) for g in grads], params,
+                          basis=basis, key=key), params, basis=basis,
+        key=key)
+    got = _one_step(model, opt, x, y)
+    for g, u, v0 in zip(got, update, (w, b)):
+        np.testing.assert_allclose(g, v0 - 0.5 * u.numpy(), rtol=1e-5,
+                                   atol=1e-6)
+    with pytest.raises(ValueError, match='built with basis'):
+        optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0,
+            expected_batch_size=4).set_basis(basis)
+
+
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))

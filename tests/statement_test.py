@@ -120,3 +120,38 @@ def test_command_line():
     assert bad.returncode != 0
     assert 'coordinate_sampling_rate must be in (0, 1]' in bad.stderr
     assert math.isfinite(eps)
+
+
+def test_multi_block_statement_compares_total_noise_variance():
+    from tf_twice.accounting.statement import hybrid_noise_variance_ratio
+    z, c2, c_inf = (3.0, 2.0, 1.5), (0.5, 0.3, 0.2), (0.1, None, 0.01)
+    dims = (10, 30, 5000)
+    args = (50000, 1000, 5, z, 1e-5, 0.5, c2, c_inf)
+    text = compute_twice_sampling_privacy_statement(*args,
+                                                    block_dimensions=dims)
+    flat = ' '.join(text.split())
+    # One row per block: l2 clip, l-inf clip, d0, z, sigma, r.
+    assert re.search(r'residual 0\.2 0\.01 400 1\.5 0\.3 5,000', flat)
+    assert re.search(r' 1 0\.5 0\.1 25 3 1\.5 10 ', flat)
+    eps, _ = compute_twice_sampling_privacy(50000, 1000, z, 5, 1e-5, 0.5,
+                                            c2, c_inf, block_dimensions=dims)
+    cmp = hybrid_noise_variance_ratio(
+        noise_multipliers=z, l2_norm_clips=c2, block_dimensions=dims,
+        target_epsilon=eps, delta=1e-5, steps=250,
+        example_sampling_rate=0.02, coordinate_sampling_rate=0.5)
+    hybrid = 10 * 1.5**2 + 30 * 0.6**2 + 5000 * 0.3**2
+    assert cmp.hybrid_variance == pytest.approx(hybrid)
+    assert cmp.global_l2_clip == pytest.approx(math.sqrt(0.25 + 0.09 + 0.04))
+    assert cmp.standard_variance == pytest.approx(
+        5000 * (cmp.standard_noise_multiplier * cmp.global_l2_clip)**2)
+    ratio = _numbers_after('Hybrid noise-variance ratio at equal epsilon (',
+                           flat.replace(f'({eps:.3f}):', '(eps):'))
+    assert ratio == pytest.approx(cmp.ratio, abs=1e-4)
+    assert 'q1*q2 = 0.01' in flat and 'standard DP-SGD' in flat
+    # Without dimensions the blocks are listed and the ratio is explained.
+    text = ' '.join(compute_twice_sampling_privacy_statement(*args).split())
+    assert 'pass block_dimensions' in text and 'residual 0.2' in text
+    # One block: unchanged (no block table).
+    one = compute_twice_sampling_privacy_statement(50000, 1000, 5, 2.4, 1e-5,
+                                                   0.5, 1.0, 0.1)
+    assert 'Hybrid-clipping blocks' not in one

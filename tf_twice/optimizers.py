@@ -18,15 +18,26 @@ n * q1) and one optimizer update per logical batch, each update is the
 bound c_inf of the paper's "Privacy Amplification from Twice Sampling"
 theorem. The model must not mix examples in its forward pass (no
 BatchNormalization), or per-example gradients lose their meaning.
+
+Hybrid clipping: ``basis=`` (a ``HybridBasis`` learned from public data) with
+per-block sequences ``l2_norm_clip``, ``noise_multiplier`` and
+``linf_norm_clip`` runs the per-block step of ``tf_twice.mechanism.hybrid``
+(the code the fast path runs); each update is then the multi-block event
+with ``block_dimensions = basis.block_dimensions``. ``set_basis`` changes the
+basis between steps without retracing; the basis is not checkpointed with
+the optimizer (relearn it, or set a saved one, on resume).
 """
 
-from typing import Optional, Type
+import math
+from typing import Optional, Sequence, Type, Union
 
 import tensorflow as tf
 from tensorflow_privacy.privacy.optimizers import (
     dp_optimizer_keras_vectorized as tfp_vectorized)
 
 from tf_twice.mechanism import aggregation
+from tf_twice.mechanism import basis as basis_lib
+from tf_twice.mechanism import hybrid
 
 __all__ = [
     'TwiceSamplingDPKerasAdagradOptimizer',
@@ -105,29 +116,33 @@ def make_twice_sampling_optimizer_class(
 
         def __init__(
             self,
-            l2_norm_clip: float,
-            noise_multiplier: float,
+            l2_norm_clip: Union[float, Sequence[float]],
+            noise_multiplier: Union[float, Sequence[float]],
             expected_batch_size: float,
-            linf_norm_clip: Optional[float] = None,
+            linf_norm_clip: Union[None, float,
+                                  Sequence[Optional[float]]] = None,
             coordinate_sampling_rate: float = 1.0,
             num_microbatches: Optional[int] = None,
             gradient_accumulation_steps: int = 1,
             seed: Optional[int] = None,
             *args,  # pylint: disable=keyword-arg-before-vararg
+            basis: Optional[basis_lib.HybridBasis] = None,
             **kwargs,
         ) -> None:
             """Initialises the optimizer.
 
             Args:
-              l2_norm_clip: c2 > 0, l2 bound of one record's gradient.
-              noise_multiplier: z >= 0; noise std per coordinate is z * c2.
+              l2_norm_clip: c2 > 0, l2 bound of one record's gradient; with
+                a basis, c2_j per block (principal blocks, then residual).
+              noise_multiplier: z >= 0; noise std per coordinate is z * c2;
+                with a basis, z_j per block.
               expected_batch_size: expected number of records per logical
                 batch (n * q1 for Poisson sampling, counting examples, or
                 microbatches when ``num_microbatches`` is set) of ONE step.
                 The update is divided by
                 expected_batch_size * q2, never by the realised size.
               linf_norm_clip: c_inf > 0 applied per coordinate after the l2
-                clip, or None.
+                clip, or None; with a basis, None or one per block.
               coordinate_sampling_rate: q2 in (0, 1].
               num_microbatches: as in tf_privacy: None makes every example a
                 record; otherwise the batch is split into this many
@@ -144,6 +159,9 @@ def make_twice_sampling_optimizer_class(
               seed: seed of the generator of masks and noise; None draws a
                 non-deterministic seed.
               *args: passed on to ``{cls.__name__}``.
+              basis: None (one block) or a ``HybridBasis`` over the
+                model's trainable variables, learned from public data only
+                (keyword only).
               **kwargs: passed on to ``{cls.__name__}`` (learning_rate...).
             """
             self._params = aggregation.AggregationParams(
@@ -152,6 +170,7 @@ def make_twice_sampling_optimizer_class(
                 expected_batch_size=expected_batch_size,
                 linf_norm_clip=linf_norm_clip,
                 coordinate_sampling_rate=coordinate_sampling_rate)
+            hybrid.check_block_params(self._params, basis)
             if num_microbatches is not None and (
                     isinstance(num_microbatches, bool)
                     or not isinstance(num_microbatches, int)
@@ -165,8 +184,20 @@ def make_twice_sampling_optimizer_class(
                 raise ValueError(
                     'gradient_accumulation_steps must be an integer >= 1, '
                     f'got {gradient_accumulation_steps!r}.')
-            super().__init__(l2_norm_clip, noise_multiplier, num_microbatches,
+            # tf_privacy's base only stores these (its query is unused): give
+            # it numbers, the global l2 clip and the effective multiplier.
+            params = self._params
+            base_clip = (params.l2_norm_clip if params.num_blocks == 1 else
+                         math.sqrt(sum(c * c for c in params.l2_norm_clips)))
+            base_noise = (params.noise_multiplier if params.num_blocks == 1
+                          else 0.0 if min(params.noise_multipliers) == 0
+                          else sum(z**-2 for z in
+                                   params.noise_multipliers)**-0.5)
+            super().__init__(base_clip, base_noise, num_microbatches,
                              True, *args, **kwargs)
+            # Untracked: neither slots nor checkpointed (see module doc).
+            self._basis_variables = (None if basis is None else
+                                     hybrid.BasisVariables(basis))
             self.gradient_accumulation_steps = gradient_accumulation_steps
             self._seed = seed
             if seed is None:
@@ -187,6 +218,26 @@ def make_twice_sampling_optimizer_class(
         def dp_generator(self) -> tf.random.Generator:
             """The generator of the per-step mask and noise keys."""
             return self._dp_generator
+
+        @property
+        def basis(self) -> Optional[basis_lib.HybridBasis]:
+            """The hybrid-clipping basis the next step uses, or None."""
+            holder = self._basis_variables
+            return None if holder is None else holder.basis
+
+        def set_basis(self, basis: basis_lib.HybridBasis) -> None:
+            """Uses ``basis`` (same structure) from the next step on,
+            without retracing (e.g. ``BasisRefresh(on_refresh=...)``).
+
+            Raises:
+              ValueError: no basis at construction, or another structure.
+            """
+            if self._basis_variables is None:
+                raise ValueError(
+                    'set_basis needs an optimizer built with basis=...: its '
+                    'blocks and per-block parameters are fixed at '
+                    'construction.')
+            self._basis_variables.assign(basis)
 
         def _create_slots(self, var_list):
             super()._create_slots(var_list)
@@ -257,27 +308,22 @@ def make_twice_sampling_optimizer_class(
                     record_losses, var_list,
                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 params = self._params
+                basis, matrices = self._basis_and_matrices(var_list)
                 key = aggregation.draw_step_key(self._dp_generator)
-                sums = aggregation.clipped_masked_sum(
-                    per_record,
-                    l2_norm_clip=params.l2_norm_clip,
-                    linf_norm_clip=params.linf_norm_clip,
-                    coordinate_sampling_rate=params.coordinate_sampling_rate,
-                    key=key)
-                grads = self._noise_and_normalize(sums, key)
+                sums = hybrid.block_sums(per_record, params, basis=basis,
+                                         matrices=matrices, key=key)
+                grads = hybrid.noisy_update(sums, params, basis=basis,
+                                            matrices=matrices, key=key)
                 if self.gradient_accumulation_steps > 1:
                     grads = self._accumulate(grads, var_list)
             return list(zip(grads, var_list))
 
-        def _noise_and_normalize(self, sums, key):
-            params = self._params
-            return aggregation.add_noise_and_normalize(
-                sums,
-                l2_norm_clip=params.l2_norm_clip,
-                noise_multiplier=params.noise_multiplier,
-                expected_batch_size=params.expected_batch_size,
-                coordinate_sampling_rate=params.coordinate_sampling_rate,
-                key=key)
+        def _basis_and_matrices(self, var_list):
+            basis = self.basis
+            if basis is None:
+                return None, None
+            hybrid.check_basis_matches_variables(basis, var_list)
+            return basis, self._basis_variables.variables
 
         def _accumulate(self, noised_grads, var_list):
             """Sums released gradients; every k-th step returns their mean."""

@@ -26,6 +26,7 @@ from tf_twice.accounting.rdp import MAX_ORDER
 from tf_twice.accounting.rdp import twice_sampling_rdp
 from tf_twice.accounting.statement import compute_twice_sampling_privacy
 from tf_twice.accounting.statement import compute_twice_sampling_privacy_statement
+from tf_twice.accounting.statement import hybrid_noise_variance_ratio
 from tf_twice.accounting.statement import noise_variance_ratio
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     'compute_twice_sampling_privacy_statement',
     'epsilon_after_steps',
     'hybrid_clipping_noise_multipliers',
+    'hybrid_noise_variance_ratio',
     'noise_variance_ratio',
     'optimize_block_noise',
     'rdp_to_epsilon',

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import textwrap
-from typing import Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 from tf_twice.accounting import blocks as blocks_lib
 from tf_twice.accounting import calibration
@@ -151,6 +151,103 @@ def noise_variance_ratio(
     return (z_twice / z_standard) ** 2
 
 
+class HybridNoiseComparison(NamedTuple):
+    """Total noise variance of hybrid clipping against standard DP-SGD.
+
+    Attributes:
+      ratio: hybrid_variance / standard_variance (below 1: hybrid clipping
+        adds less noise).
+      hybrid_variance: sum_j r_j (z_j c2_j)^2, the variance of all the
+        Gaussian noise one hybrid step adds (principal blocks on their r_j
+        coefficients, the residual on all d coordinates; with orthonormal
+        principal blocks it is also the noise's total variance in gradient
+        space).
+      standard_variance: d (z_std c)^2 of standard DP-SGD.
+      global_l2_clip: c = sqrt(sum_j c2_j^2), the l2 ball that contains
+        the hybrid sensitivity set.
+      standard_noise_multiplier: z_std, calibrated to the same epsilon.
+      model_dimension: d.
+    """
+    ratio: float
+    hybrid_variance: float
+    standard_variance: float
+    global_l2_clip: float
+    standard_noise_multiplier: float
+    model_dimension: int
+
+
+def hybrid_noise_variance_ratio(
+        *, noise_multipliers: Sequence[float],
+        l2_norm_clips: Sequence[float],
+        block_dimensions: Sequence[int],
+        target_epsilon: float, delta: float, steps: int,
+        example_sampling_rate: float, coordinate_sampling_rate: float,
+        model_dimension: Optional[int] = None,
+        conversion: conversion_lib.ConversionLike = 'dp_accounting',
+        tolerance: float = 1e-4) -> HybridNoiseComparison:
+    """Hybrid clipping's total noise variance over standard DP-SGD's.
+
+    The comparison is with standard DP-SGD (no basis, no coordinate
+    sampling, no l-infinity clip) that clips every example to the global l2
+    norm c = sqrt(sum_j c2_j^2), whose ball contains the hybrid set, samples
+    examples with Poisson rate q1 * q2 and has its noise multiplier z_std
+    calibrated to `target_epsilon` after `steps` steps with the same
+    accountant and conversion. At rate q1 * q2 both mechanisms have the same
+    expected number of contributions per coordinate (n q1 q2), so both
+    updates are unbiased estimates of a mean clipped gradient divided by the
+    same n q1 q2, and the ratio of the summed noise variances is the ratio of
+    the updates' noise variances (the paper's comparison at equal epsilon,
+    as in `noise_variance_ratio`).
+
+    Args:
+      noise_multipliers, l2_norm_clips, block_dimensions: z_j, c2_j and r_j
+        per block (hybrid clipping: principal blocks, then the residual with
+        r_m = d, as `HybridBasis.block_dimensions`).
+      model_dimension: d, the number of coordinates of standard DP-SGD's
+        noise; default the last block's dimension (the residual is released
+        in all d natural coordinates).
+      target_epsilon: the epsilon both are compared at (normally the hybrid
+        mechanism's own epsilon for these z_j).
+      Other arguments as in `noise_variance_ratio`.
+    """
+    blocks = blocks_lib.Blocks.from_arguments(
+        noise_multipliers, l2_norm_clips, None, block_dimensions,
+        noise_multiplier_name='noise_multipliers',
+        l2_norm_clip_name='l2_norm_clips')
+    if blocks.dimensions is None:
+        raise ValueError('block_dimensions must be given, one per block.')
+    d = blocks.dimensions[-1] if model_dimension is None else (
+        blocks_lib.check_steps('model_dimension', model_dimension))
+    hybrid = sum(r * (z * c) ** 2 for r, z, c in zip(
+        blocks.dimensions, blocks.noise_multipliers, blocks.l2_norm_clips))
+    c = math.sqrt(sum(c2 ** 2 for c2 in blocks.l2_norm_clips))
+    # The calibrated z is scale-free: its noise std is z * c for any c.
+    z_std = calibration.calibrate_noise_multiplier(
+        target_epsilon=target_epsilon, delta=delta, steps=steps,
+        example_sampling_rate=example_sampling_rate
+        * coordinate_sampling_rate,
+        coordinate_sampling_rate=1.0, l2_norm_clip=1.0, linf_norm_clip=None,
+        conversion=conversion, tolerance=tolerance)
+    standard = d * (z_std * c) ** 2
+    return HybridNoiseComparison(hybrid / standard, hybrid, standard, c,
+                                 z_std, d)
+
+
+def _block_table(blocks: blocks_lib.Blocks) -> str:
+    """One row per block: c2, c_inf, d0, z, sigma and r."""
+    rows = [f'    {"block":>8} {"l2 clip":>9} {"l-inf clip":>11} {"d0":>9} '
+            f'{"noise mult.":>12} {"noise std":>10} {"coordinates":>11}']
+    for j in range(blocks.size):
+        c2, ci = blocks.l2_norm_clips[j], blocks.linf_norm_clips[j]
+        z = blocks.noise_multipliers[j]
+        r = ('?' if blocks.dimensions is None
+             else f'{blocks.dimensions[j]:,}')
+        name = 'residual' if j == blocks.size - 1 else str(j + 1)
+        rows.append(f'    {name:>8} {c2:9.4g} {ci:11.4g} {(c2 / ci) ** 2:9.4g}'
+                    f' {z:12.4g} {z * c2:10.4g} {r:>11}')
+    return '\n'.join(rows)
+
+
 def _format_blocks(values) -> str:
     if isinstance(values, (list, tuple)):
         return '(' + ', '.join(f'{v:g}' if v is not None else 'none'
@@ -172,6 +269,7 @@ def compute_twice_sampling_privacy_statement(
         *,
         block_dimensions: Optional[Union[int, Sequence[int]]] = None,
         conversion: conversion_lib.ConversionLike = 'dp_accounting',
+        model_dimension: Optional[int] = None,
 ) -> str:
     """A report of the DP guarantee of twice-sampled DP-SGD.
 
@@ -182,6 +280,14 @@ def compute_twice_sampling_privacy_statement(
     gives epsilon under Poisson sampling, the epsilon of standard DP-SGD with
     Poisson sampling at q1 * q2 and the same noise (computed by tf_privacy),
     and the noise-variance ratio at equal epsilon.
+
+    Several blocks (hybrid clipping: principal blocks, then the residual)
+    are listed one per row (c2_j, c_inf_j, d0_j, z_j, sigma_j = z_j c2_j,
+    r_j). With `block_dimensions` (`HybridBasis.block_dimensions`) the report
+    also compares the total noise variance sum_j r_j sigma_j^2 with that of
+    standard DP-SGD at the same epsilon (`hybrid_noise_variance_ratio`: global
+    clip c = sqrt(sum_j c2_j^2), rate q1 * q2, d = `model_dimension`,
+    default the residual's dimension).
     """
     n, q1, num_epochs, steps = _check_dataset(number_of_examples, batch_size,
                                               num_epochs)
@@ -246,6 +352,10 @@ def compute_twice_sampling_privacy_statement(
             f'{ratio:.4f} (noise calibrated for twice sampling over noise '
             'calibrated for standard DP-SGD at rate q1*q2, same steps; below '
             '1 means twice sampling needs less noise).', width=_WIDTH))
+    if not one_block:
+        paragraphs.append(_hybrid_paragraph(
+            blocks, eps, delta=delta, steps=steps, q1=q1, q2=q2,
+            model_dimension=model_dimension, conversion=conversion))
     if max_examples_per_user is None:
         paragraphs.append(textwrap.fill(
             'No user-level privacy guarantee is possible without a bound on '
@@ -256,3 +366,42 @@ def compute_twice_sampling_privacy_statement(
             'does not compute a user-level guarantee for twice sampling; the '
             'epsilon above is example-level only.', width=_WIDTH))
     return '\n\n'.join(paragraphs) + '\n'
+
+
+def _hybrid_paragraph(blocks: blocks_lib.Blocks, eps: float, *, delta: float,
+                      steps: int, q1: float, q2: float,
+                      model_dimension: Optional[int],
+                      conversion: conversion_lib.Conversion) -> str:
+    """The block table and the variance comparison of a multi-block step."""
+    text = (textwrap.fill(
+        'Hybrid-clipping blocks (principal blocks, then the residual; noise '
+        'std = noise multiplier * l2 clip on every coordinate of the '
+        'block):', width=_WIDTH) + '\n' + _block_table(blocks))
+    if blocks.dimensions is None:
+        return text + '\n' + textwrap.fill(
+            'The total noise variance and its ratio to standard DP-SGD need '
+            'every block\'s number of coordinates: pass block_dimensions '
+            '(HybridBasis.block_dimensions: principal ranks, then d).',
+            width=_WIDTH)
+    if not (math.isfinite(eps) and eps > 0):
+        return text
+    cmp = hybrid_noise_variance_ratio(
+        noise_multipliers=blocks.noise_multipliers,
+        l2_norm_clips=blocks.l2_norm_clips,
+        block_dimensions=blocks.dimensions, target_epsilon=eps, delta=delta,
+        steps=steps, example_sampling_rate=q1, coordinate_sampling_rate=q2,
+        model_dimension=model_dimension, conversion=conversion)
+    return text + '\n\n' + textwrap.fill(
+        f'Hybrid noise-variance ratio at equal epsilon ({eps:.3f}): '
+        f'{cmp.ratio:.4f} (below 1 means hybrid clipping adds less noise): '
+        'total noise variance sum_j r_j (z_j c2_j)^2 = '
+        f'{cmp.hybrid_variance:.6g}, against d (z c)^2 = '
+        f'{cmp.standard_variance:.6g} for standard DP-SGD without basis or '
+        f'coordinate sampling over d = {cmp.model_dimension:,} parameters, '
+        f'clipped to the global l2 norm c = sqrt(sum_j c2_j^2) = '
+        f'{cmp.global_l2_clip:.4g} (its ball contains the hybrid set), with '
+        f'Poisson sampling at q1*q2 = {q1 * q2:.6g} (the same expected '
+        'number of contributions per coordinate, so both updates are '
+        'divided by n*q1*q2) and noise multiplier '
+        f'{cmp.standard_noise_multiplier:.4g} calibrated to the same epsilon '
+        'and steps.', width=_WIDTH)

@@ -22,6 +22,22 @@ with l2 bound ``l2_norm_clip`` and l-infinity bound ``linf_norm_clip``
 optimizer update is post-processing. Reported loss and metrics are computed
 on the real examples without noise and are not private.
 
+Hybrid clipping: with ``basis=`` (a ``HybridBasis`` learned from PUBLIC
+data, e.g. ``learn_basis``) and per-block sequences ``l2_norm_clip``,
+``noise_multiplier`` and ``linf_norm_clip`` (principal blocks, then the
+residual), every microbatch's per-example gradients are split into the
+basis's blocks, each block is clipped, masked and summed on its own, and
+each gets its own noise (``tf_twice.mechanism.hybrid``, the same code as the
+optimizer path). One step is then the multi-block
+``TwiceSampledGaussianDpEvent`` with ``block_dimensions =
+basis.block_dimensions``. The basis lives in fixed-shape non-trainable
+variables: ``set_basis`` (e.g. ``BasisRefresh(...,
+on_refresh=model.set_basis)``) changes it between steps without retracing.
+The basis is NOT part of checkpoints (it is public data, possibly GBs): a
+resumed run relearns it (``BasisRefresh`` refreshes at its first step) or
+sets a saved one (``HybridBasis.save``/``load``, then ``set_basis``); any
+public basis keeps the guarantee.
+
 Accounting: ``DPModel.dp_event(n)`` is the ``TwiceSampledGaussianDpEvent``
 of one step, and ``PrivacyLedger.for_model(model, num_examples=n, ...)``
 builds a ledger from it. When ``fit`` gets a ``PrivacyLedger`` among its
@@ -39,7 +55,7 @@ its random stream instead of replaying it. Files without it (``.h5``,
 import logging
 import os
 import secrets
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -47,6 +63,8 @@ from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.keras import guards
 from tf_twice.keras import ledger as ledger_lib
 from tf_twice.mechanism import aggregation
+from tf_twice.mechanism import basis as basis_lib
+from tf_twice.mechanism import hybrid
 
 __all__ = ['DPModel', 'make_private']
 
@@ -151,36 +169,50 @@ class DPModel(tf.keras.Model):
     step, ``tf_twice.sampling.poisson_batches``), each step is the
     ``dp_event(n)`` mechanism; T steps are (epsilon, delta)-DP with the
     epsilon of T compositions of that event (what ``PrivacyLedger`` reports).
+    With ``basis=`` (hybrid clipping) that event has one block per basis
+    block; the basis must depend on public data and the current model only.
     """
 
     def __init__(
         self,
         model: tf.keras.Model,
         *,
-        l2_norm_clip: float,
-        noise_multiplier: float,
+        l2_norm_clip: Union[float, Sequence[float]],
+        noise_multiplier: Union[float, Sequence[float]],
         expected_batch_size: float,
         physical_batch_size: int,
-        linf_norm_clip: Optional[float] = None,
+        linf_norm_clip: Union[None, float, Sequence[Optional[float]]] = None,
         coordinate_sampling_rate: float = 1.0,
         seed: Optional[int] = None,
+        basis: Optional[basis_lib.HybridBasis] = None,
         **kwargs,
     ) -> None:
         """Initialises the wrapper.
 
         Args:
           model: the Keras model to train; must not contain batch norm.
-          l2_norm_clip: c2 > 0, l2 bound of one example's gradient.
-          noise_multiplier: z >= 0; noise std per coordinate is z * c2.
+          l2_norm_clip: c2 > 0, l2 bound of one example's gradient; with a
+            basis, c2_j per block (principal blocks, then the residual),
+            e.g. ``split_l2_budget(c, public_block_norms(basis, ...))``.
+          noise_multiplier: z >= 0; noise std per coordinate is z * c2. With
+            a basis, z_j per block (e.g. ``hybrid_noise_multipliers``).
           expected_batch_size: n * q1 > 0; the update is divided by
             expected_batch_size * q2, never by the realised batch size.
           physical_batch_size: examples per vectorized chunk (an int >= 1);
             logical batches are padded to a multiple of it.
-          linf_norm_clip: c_inf > 0 per coordinate after the l2 clip, or None.
-          coordinate_sampling_rate: q2 in (0, 1].
+          linf_norm_clip: c_inf > 0 per coordinate after the l2 clip, or None;
+            with a basis, None or c_inf_j (or None) per block.
+          coordinate_sampling_rate: q2 in (0, 1], for every block.
           seed: seed of the mask and noise generator; None is
             non-deterministic.
+          basis: None (one block), or a ``HybridBasis`` over the model's
+            trainable variables learned from PUBLIC data only.
           **kwargs: passed to ``tf.keras.Model`` (e.g. ``name``).
+
+        Raises:
+          ValueError: an argument outside its range, or per-block arguments
+            whose length is not ``basis.num_blocks`` (or that are
+            sequences without a basis).
         """
         kwargs.setdefault('name', f'dp_{model.name}')
         super().__init__(**kwargs)
@@ -201,6 +233,14 @@ class DPModel(tf.keras.Model):
             expected_batch_size=expected_batch_size,
             linf_norm_clip=linf_norm_clip,
             coordinate_sampling_rate=coordinate_sampling_rate)
+        hybrid.check_block_params(self.dp_params, basis)
+        if basis is not None and model.built:
+            hybrid.check_basis_matches_variables(basis,
+                                                 model.trainable_variables)
+        # A plain object: Keras does not track it, so the basis variables are
+        # neither weights nor checkpointed (see the module docstring).
+        self._basis_variables = (None if basis is None else
+                                 hybrid.BasisVariables(basis))
         self.physical_batch_size = physical_batch_size
         self._seed = seed
         if seed is None:
@@ -229,6 +269,30 @@ class DPModel(tf.keras.Model):
         """
         return self._dp_generator
 
+    @property
+    def basis(self) -> Optional[basis_lib.HybridBasis]:
+        """The hybrid-clipping basis the next step uses (None: one block)."""
+        holder = self._basis_variables
+        return None if holder is None else holder.basis
+
+    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
+        """Uses ``basis`` from the next step on, without retracing.
+
+        Assigns its matrices to the fixed-shape variables the traced step
+        reads. Usable as ``BasisRefresh(..., on_refresh=model.set_basis)``.
+        The basis must come from public data and the current model only.
+
+        Raises:
+          ValueError: the model was built without a basis, or ``basis`` has
+            another structure (groups, variable shapes, per-group ranks)
+            than the current one (the step's DpEvent would change).
+        """
+        if self._basis_variables is None:
+            raise ValueError(
+                'set_basis needs a DPModel built with basis=...: its blocks '
+                'and per-block parameters are fixed at construction.')
+        self._basis_variables.assign(basis)
+
     def dp_event(self, num_examples: int) -> TwiceSampledGaussianDpEvent:
         """The DpEvent of one ``train_step`` on n = ``num_examples`` examples.
 
@@ -236,13 +300,16 @@ class DPModel(tf.keras.Model):
         exactly ``TwiceSampledGaussianDpEvent(example_sampling_rate=q1,
         coordinate_sampling_rate=q2, noise_multiplier=z, l2_norm_clip=c2,
         linf_norm_clip=c_inf)`` (q2 is the nominal rate; the masks keep
-        coordinates with a rate at most q2, which the bound covers).
+        coordinates with a rate at most q2, which the bound covers). With a
+        basis the fields are per-block tuples and ``block_dimensions`` is
+        ``basis.block_dimensions`` (principal ranks r_j, then d: the
+        residual is released in all d natural coordinates).
 
         Raises:
           ValueError: num_examples is not an integer >= expected_batch_size,
-            or noise_multiplier is 0 (no DP guarantee to account).
+            or a noise multiplier is 0 (no DP guarantee to account).
         """
-        return guards.dp_event_from_params(self.dp_params, num_examples)
+        return guards.model_dp_event(self, num_examples)
 
     def call(self, inputs, training=None, mask=None):
         return self.inner_model(inputs, training=training)
@@ -422,35 +489,33 @@ class DPModel(tf.keras.Model):
 
         params = self.dp_params
         variables = self.inner_model.trainable_variables
+        # The structure is fixed at trace time; the values are read from the
+        # basis variables at every step (set_basis needs no retracing).
+        basis = self.basis
+        matrices = None
+        if basis is not None:
+            hybrid.check_basis_matches_variables(basis, variables)
+            matrices = self._basis_variables.variables
         key = aggregation.draw_step_key(self._dp_generator)
 
         def body(i, sums):
             xc = tf.nest.map_structure(lambda t: t[i], x_chunks)
             yc, wc = y_chunks[i], w_chunks[i]
             grads, losses, predictions = self._per_example_gradients(xc, yc)
-            chunk_sums = aggregation.clipped_masked_sum(
-                grads,
-                l2_norm_clip=params.l2_norm_clip,
-                linf_norm_clip=params.linf_norm_clip,
-                coordinate_sampling_rate=params.coordinate_sampling_rate,
-                weights=wc,
-                key=key,
-                example_offset=i * chunk)
+            chunk_sums = hybrid.block_sums(
+                grads, params, basis=basis, matrices=matrices, weights=wc,
+                key=key, example_offset=i * chunk)
             self._update_metrics(yc, predictions, losses, wc,
                                  sample_weight is not None)
-            return i + 1, [s + c for s, c in zip(sums, chunk_sums)]
+            return i + 1, [[s + c for s, c in zip(block, chunk_block)]
+                           for block, chunk_block in zip(sums, chunk_sums)]
 
-        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        zeros = hybrid.zero_block_sums(variables, basis)
         _, sums = tf.while_loop(
             lambda i, _: i < num_chunks, body, (tf.constant(0), zeros),
             parallel_iterations=1)
-        update = aggregation.add_noise_and_normalize(
-            sums,
-            l2_norm_clip=params.l2_norm_clip,
-            noise_multiplier=params.noise_multiplier,
-            expected_batch_size=params.expected_batch_size,
-            coordinate_sampling_rate=params.coordinate_sampling_rate,
-            key=key)
+        update = hybrid.noisy_update(sums, params, basis=basis,
+                                     matrices=matrices, key=key)
         self.optimizer.apply_gradients(zip(update, variables))
         return {m.name: m.result() for m in self.metrics}
 
@@ -478,6 +543,12 @@ class DPModel(tf.keras.Model):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Rebuilds a DPModel from ``get_config()``.
+
+        The basis is not in the config (it can be GBs): for hybrid
+        clipping pass it in as ``config['basis']``, e.g.
+        ``DPModel.from_config({**config, 'basis': HybridBasis.load(path)})``.
+        """
         config = dict(config)
         model = tf.keras.utils.deserialize_keras_object(
             config.pop('model'), custom_objects=custom_objects)
@@ -486,6 +557,29 @@ class DPModel(tf.keras.Model):
 
 def make_private(model: tf.keras.Model, **dp_kwargs) -> DPModel:
     """Returns ``DPModel(model, **dp_kwargs)``: ``model`` with a DP train_step.
+
+    With hybrid clipping (``basis=`` and per-block parameters; the basis and
+    the budgets come from PUBLIC data only):
+
+    ```python
+    grads = public_per_example_gradients(model, loss, x_pub, y_pub)
+    basis = learn_basis(grads, ranks=[64, 192], groups=4)
+    clips = split_l2_budget(1.0, public_block_norms(basis, grads,
+                                                    clip_norm=1.0))
+    noise = hybrid_noise_multipliers(
+        basis, clips, target_epsilon=3.0, delta=1e-5, steps=steps,
+        example_sampling_rate=256 / len(x), coordinate_sampling_rate=0.5)
+    private = make_private(model, basis=basis, l2_norm_clip=clips,
+                           noise_multiplier=noise,
+                           coordinate_sampling_rate=0.5,
+                           expected_batch_size=256, physical_batch_size=128)
+    refresh = BasisRefresh(model, (x_pub, y_pub), loss, every_steps=100,
+                           on_refresh=private.set_basis, ranks=[64, 192],
+                           groups=4)
+    private.fit(data, callbacks=[ledger, refresh])
+    ```
+
+    One block:
 
     Example:
 

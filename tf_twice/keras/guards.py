@@ -14,10 +14,11 @@ assumptions the code cannot enforce by itself:
    the batch and is not covered by the accountant;
 5. the accountant's event describes the mechanism that actually runs: the
    same noise multiplier, clip norms and sampling rates as the model (or
-   its DP optimizer), so that the reported epsilon is for this training
-   (`check_event_matches`; `model_dp_params` and `dp_event_from_params`
-   read a model's parameters and build its event, so none are copied by
-   hand).
+   its DP optimizer), per block with hybrid clipping, and the basis's block
+   dimensions, so that the reported epsilon is for this training
+   (`check_event_matches`; `model_dp_params`, `model_basis` and
+   `model_dp_event` read a model's parameters and build its event, so none
+   are copied by hand).
 
 Every check raises ValueError naming what is wrong and what to use instead.
 `check_poisson_input` is strict by default: a non-Poisson dataset is refused
@@ -31,7 +32,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
 import dp_accounting
 import numpy as np
@@ -40,6 +41,7 @@ import tensorflow as tf
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.mechanism import aggregation
+from tf_twice.mechanism import basis as basis_lib
 
 __all__ = [
     'ALLOWED_NORMALIZATIONS',
@@ -51,6 +53,8 @@ __all__ = [
     'check_per_example_loss',
     'check_poisson_input',
     'dp_event_from_params',
+    'model_basis',
+    'model_dp_event',
     'model_dp_params',
 ]
 
@@ -348,22 +352,44 @@ def model_dp_params(model: Any) -> Optional[aggregation.AggregationParams]:
     return params
 
 
-def dp_event_from_params(params: aggregation.AggregationParams,
-                         num_examples: int) -> TwiceSampledGaussianDpEvent:
+def model_basis(model: Any) -> Optional[basis_lib.HybridBasis]:
+    """The hybrid-clipping basis of `model`'s DP steps, or None (one block).
+
+    Reads `DPModel.basis`, or the `basis` of the tf_twice DP optimizer the
+    model is compiled with.
+    """
+    for owner in (model, getattr(model, 'optimizer', None)):
+        basis = getattr(owner, 'basis', None)
+        if isinstance(basis, basis_lib.HybridBasis):
+            return basis
+    return None
+
+
+def dp_event_from_params(
+        params: aggregation.AggregationParams,
+        num_examples: int,
+        *,
+        block_dimensions: Optional[Sequence[int]] = None
+) -> TwiceSampledGaussianDpEvent:
     """The `TwiceSampledGaussianDpEvent` of one step with `params`.
 
     With Poisson sampling of `num_examples` examples at rate
     q1 = expected_batch_size / num_examples, one step with `params` is
     exactly this event (l2 clip c2, l-infinity clip c_inf, coordinate rate
-    q2, noise multiplier z), so accounting it gives the step's guarantee.
+    q2, noise multiplier z; per-block tuples for hybrid clipping), so
+    accounting it gives the step's guarantee.
 
     Args:
       params: the step's `AggregationParams` (e.g. `DPModel.dp_params`).
       num_examples: n, an integer >= expected_batch_size.
+      block_dimensions: optional coordinates per block, for hybrid clipping
+        `basis.block_dimensions` (r_1..r_{m-1}, d); it can only tighten the
+        bound, and must be the true dimensions (see `model_dp_event`).
 
     Raises:
       ValueError: num_examples is not an integer >= expected_batch_size
-        (q1 would exceed 1), or the noise multiplier is 0 (no DP at all).
+        (q1 would exceed 1), a noise multiplier is 0 (no DP at all), or
+        block_dimensions does not have one entry per block.
     """
     if not isinstance(params, aggregation.AggregationParams):
         raise ValueError('params must be tf_twice AggregationParams; got '
@@ -379,17 +405,57 @@ def dp_event_from_params(params: aggregation.AggregationParams,
             f'expected_batch_size ({batch:g}) must be <= num_examples '
             f'({num_examples}): the sampling rate q1 = expected_batch_size / '
             'num_examples must be in (0, 1].')
-    if params.noise_multiplier <= 0:
-        raise ValueError(
-            'noise_multiplier must be > 0 for a DP guarantee; got '
-            f'{params.noise_multiplier:g}, which releases the clipped sum '
-            'without noise (epsilon is infinite).')
+    for j, z in enumerate(params.noise_multipliers):
+        if z <= 0:
+            where = '' if params.num_blocks == 1 else f' (block {j})'
+            raise ValueError(
+                f'noise_multiplier must be > 0 for a DP guarantee{where}; '
+                f'got {z:g}, which releases the clipped sum without noise '
+                '(epsilon is infinite).')
+    if block_dimensions is not None:
+        dims = tuple(block_dimensions) if isinstance(
+            block_dimensions, (list, tuple)) else (block_dimensions,)
+        if len(dims) != params.num_blocks:
+            raise ValueError(
+                f'block_dimensions must have one entry per block '
+                f'({params.num_blocks}); got {block_dimensions!r}.')
+        block_dimensions = dims if params.num_blocks > 1 else dims[0]
+    linf = params.linf_norm_clip
+    if isinstance(linf, tuple) and all(c is None for c in linf):
+        linf = None  # One canonical event for "no l-infinity clipping".
     return TwiceSampledGaussianDpEvent(
         example_sampling_rate=batch / num_examples,
         coordinate_sampling_rate=params.coordinate_sampling_rate,
         noise_multiplier=params.noise_multiplier,
         l2_norm_clip=params.l2_norm_clip,
-        linf_norm_clip=params.linf_norm_clip)
+        linf_norm_clip=linf,
+        block_dimensions=block_dimensions)
+
+
+def model_dp_event(model: Any,
+                   num_examples: int) -> TwiceSampledGaussianDpEvent:
+    """The `DpEvent` of one DP step of `model` on `num_examples` examples.
+
+    `model` is a `DPModel` or a Keras model compiled with a tf_twice DP
+    optimizer. With hybrid clipping the event has the per-block parameters
+    and `block_dimensions = basis.block_dimensions` (principal ranks r_j,
+    then d: the residual is released in all d natural coordinates).
+
+    Raises:
+      ValueError: `model` is not a tf_twice DP model, or as
+        `model_dp_params` and `dp_event_from_params`.
+    """
+    params = model_dp_params(model)
+    if params is None:
+        raise ValueError(
+            'model must be a tf_twice.keras.DPModel or a Keras model '
+            'compiled with a tf_twice TwiceSamplingDPKeras*Optimizer; got '
+            f'{type(model).__name__} with optimizer '
+            f'{type(getattr(model, "optimizer", None)).__name__}.')
+    basis = model_basis(model)
+    return dp_event_from_params(
+        params, num_examples,
+        block_dimensions=None if basis is None else basis.block_dimensions)
 
 
 def _mismatch(field: str, event_value: Any, model_value: Any,
@@ -407,35 +473,49 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=_REL_TOL, abs_tol=0.0)
 
 
-def check_event_matches(event: dp_accounting.DpEvent,
-                        *,
-                        l2_norm_clip: float,
-                        linf_norm_clip: Optional[float],
-                        noise_multiplier: float,
-                        coordinate_sampling_rate: float,
-                        expected_batch_size: float,
-                        num_examples: Optional[int] = None,
-                        num_parameters: Optional[int] = None) -> None:
+def _as_blocks(value: Any) -> Tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def check_event_matches(
+        event: dp_accounting.DpEvent,
+        *,
+        l2_norm_clip: Union[float, Sequence[float]],
+        linf_norm_clip: Union[None, float, Sequence[Optional[float]]],
+        noise_multiplier: Union[float, Sequence[float]],
+        coordinate_sampling_rate: float,
+        expected_batch_size: float,
+        num_examples: Optional[int] = None,
+        num_parameters: Optional[int] = None,
+        block_dimensions: Optional[Sequence[int]] = None) -> None:
     """Refuses an accountant event that does not describe the running step.
 
     A ledger composes its event once per step, so its epsilon bounds the
-    training only if the event is the mechanism that runs: the same noise
-    multiplier z, l2 clip c2, l-infinity clip c_inf (None and any value
-    >= c2 are the same bound) and coordinate rate q2, and an example rate
-    q1 with q1 * n = expected_batch_size. Equality is required up to float
+    training only if the event is the mechanism that runs: the same number
+    of blocks and, per block, the same noise multiplier z, l2 clip c2 and
+    l-infinity clip c_inf (None and any value >= c2 are the same bound),
+    the same coordinate rate q2, and an example rate q1 with
+    q1 * n = expected_batch_size. Equality is required up to float
     round-off, in both directions, so a hand-copied parameter cannot drift.
 
     Args:
-      event: the ledger's event of one step; must be a single-block
+      event: the ledger's event of one step; must be a
         `TwiceSampledGaussianDpEvent`.
-      l2_norm_clip, linf_norm_clip, noise_multiplier,
-      coordinate_sampling_rate, expected_batch_size: the model's (or its DP
-        optimizer's) parameters, as in `AggregationParams`.
+      l2_norm_clip, linf_norm_clip, noise_multiplier: the model's (or its DP
+        optimizer's) parameters: numbers for one block, per-block sequences
+        for hybrid clipping (as in `AggregationParams`).
+      coordinate_sampling_rate, expected_batch_size: as in
+        `AggregationParams`.
       num_examples: n of the Poisson-sampled dataset, or None when it is not
         known (then q1 is not checked).
-      num_parameters: the number of trainable coordinates, or None when not
-        known; needed only if the event has `block_dimensions`, which must
-        then equal it (a smaller value would understate the sensitivity).
+      num_parameters: one block: the number of trainable coordinates, or
+        None when not known; needed only if the event has
+        `block_dimensions`, which must then equal it (a smaller value would
+        understate the sensitivity).
+      block_dimensions: several blocks: the basis's `block_dimensions`
+        (r_1..r_{m-1}, d). An event with `block_dimensions` must have
+        exactly these; an event without them is accepted (its bound is
+        sound, only looser).
 
     Raises:
       ValueError: naming the first field that does not match.
@@ -447,25 +527,46 @@ def check_event_matches(event: dp_accounting.DpEvent,
             f'{type(event).__name__}. Use PrivacyLedger.for_model(model, '
             'num_examples=..., delta=...).')
     blocks = event.blocks()
-    if blocks.size != 1:
+    zs = _as_blocks(noise_multiplier)
+    clips = _as_blocks(l2_norm_clip)
+    linfs = (_as_blocks(linf_norm_clip) if linf_norm_clip is not None
+             else (None,) * len(clips))
+    if not len(zs) == len(clips) == len(linfs):
+        raise ValueError(
+            'noise_multiplier, l2_norm_clip and linf_norm_clip must have the '
+            f'same number of blocks; got {len(zs)}, {len(clips)} and '
+            f'{len(linfs)}.')
+    m = len(clips)
+    if blocks.size != m:
         raise ValueError(
             f'The privacy ledger\'s event has {blocks.size} blocks, but the '
-            'model clips and noises all its gradients as one block; the '
-            'event must have a single noise_multiplier, l2_norm_clip and '
-            'linf_norm_clip.')
-    z = float(noise_multiplier)
-    c2 = float(l2_norm_clip)
-    # The l-infinity bound that matters is min(c_inf, c2), as in the event.
-    c_inf = c2 if linf_norm_clip is None else min(float(linf_norm_clip), c2)
-    if not _close(blocks.noise_multipliers[0], z):
-        raise _mismatch('noise_multiplier', event.noise_multiplier, z)
-    if not _close(blocks.l2_norm_clips[0], c2):
-        raise _mismatch('l2_norm_clip', event.l2_norm_clip, c2)
-    if not _close(blocks.linf_norm_clips[0], c_inf):
-        raise _mismatch('linf_norm_clip', event.linf_norm_clip,
-                        linf_norm_clip,
-                        ' (after l2 clipping its bound is '
-                        f'{blocks.linf_norm_clips[0]:g} vs {c_inf:g})')
+            f'model clips and noises its gradients as {m} block(s)'
+            + (' (no hybrid-clipping basis); the event must have a single '
+               'noise_multiplier, l2_norm_clip and linf_norm_clip.'
+               if m == 1 else
+               '; build the event with PrivacyLedger.for_model(model, ...) '
+               'or DPModel.dp_event(num_examples).'))
+
+    def shown(values):
+        return values[0] if m == 1 else values
+
+    for j in range(m):
+        where = '' if m == 1 else f' (block {j})'
+        z, c2 = float(zs[j]), float(clips[j])
+        # The l-infinity bound that matters is min(c_inf, c2), as in the
+        # event.
+        c_inf = c2 if linfs[j] is None else min(float(linfs[j]), c2)
+        if not _close(blocks.noise_multipliers[j], z):
+            raise _mismatch('noise_multiplier', event.noise_multiplier,
+                            shown(zs), where)
+        if not _close(blocks.l2_norm_clips[j], c2):
+            raise _mismatch('l2_norm_clip', event.l2_norm_clip, shown(clips),
+                            where)
+        if not _close(blocks.linf_norm_clips[j], c_inf):
+            raise _mismatch('linf_norm_clip', event.linf_norm_clip,
+                            shown(linfs),
+                            f'{where} (after l2 clipping its bound is '
+                            f'{blocks.linf_norm_clips[j]:g} vs {c_inf:g})')
     if not _close(float(event.coordinate_sampling_rate),
                   float(coordinate_sampling_rate)):
         raise _mismatch('coordinate_sampling_rate',
@@ -479,17 +580,30 @@ def check_event_matches(event: dp_accounting.DpEvent,
                 float(expected_batch_size) / int(num_examples),
                 f' (expected_batch_size {float(expected_batch_size):g} / '
                 f'num_examples {int(num_examples)})')
-    if blocks.dimensions is not None:
-        if num_parameters is None:
+    if blocks.dimensions is None:
+        return
+    if m > 1:
+        if block_dimensions is None:
             raise ValueError(
                 'The privacy ledger\'s event sets block_dimensions='
                 f'{event.block_dimensions!r}, which can only be checked '
-                'against a built model; build the model first (call it '
-                'once) or leave block_dimensions unset.')
-        if blocks.dimensions[0] != int(num_parameters):
+                'against the model\'s basis; pass block_dimensions='
+                'basis.block_dimensions or leave them unset in the event.')
+        if tuple(int(r) for r in block_dimensions) != blocks.dimensions:
             raise _mismatch('block_dimensions', event.block_dimensions,
-                            int(num_parameters),
-                            ' (its number of trainable coordinates)')
+                            tuple(int(r) for r in block_dimensions),
+                            ' (the basis\'s principal ranks, then d)')
+        return
+    if num_parameters is None:
+        raise ValueError(
+            'The privacy ledger\'s event sets block_dimensions='
+            f'{event.block_dimensions!r}, which can only be checked '
+            'against a built model; build the model first (call it '
+            'once) or leave block_dimensions unset.')
+    if blocks.dimensions[0] != int(num_parameters):
+        raise _mismatch('block_dimensions', event.block_dimensions,
+                        int(num_parameters),
+                        ' (its number of trainable coordinates)')
 
 
 def _num_trainable_parameters(model: Any) -> Optional[int]:
@@ -517,6 +631,7 @@ def check_event_matches_model(event: dp_accounting.DpEvent, model: Any, *,
     params = model_dp_params(model)
     if params is None:
         return False
+    basis = model_basis(model)
     check_event_matches(
         event,
         l2_norm_clip=params.l2_norm_clip,
@@ -525,5 +640,6 @@ def check_event_matches_model(event: dp_accounting.DpEvent, model: Any, *,
         coordinate_sampling_rate=params.coordinate_sampling_rate,
         expected_batch_size=params.expected_batch_size,
         num_examples=num_examples,
-        num_parameters=_num_trainable_parameters(model))
+        num_parameters=_num_trainable_parameters(model),
+        block_dimensions=None if basis is None else basis.block_dimensions)
     return True

@@ -36,7 +36,8 @@ Guarantees:
   compiled with a tf_twice DP optimizer). At the start of every `fit` the
   ledger refuses a model with BatchNormalization (no per-example
   gradients) and, for such a DP model, an event whose noise multiplier,
-  clips or coordinate rate differ from the model's
+  clips or coordinate rate differ from the model's, per block with hybrid
+  clipping, or whose block dimensions differ from its basis's
   (`guards.check_event_matches`); `DPModel.fit` also checks the input is
   Poisson-sampled at the event's q1. A plain Keras model is only checked
   for BatchNormalization: its steps are counted as the given event, which
@@ -324,8 +325,10 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         Optimizer` with `num_microbatches=None` (event from the optimizer's
         `dp_params`, q1 = expected_batch_size / n). Either way the event is
         `TwiceSampledGaussianDpEvent(q1, q2, z, c2, c_inf)` of the
-        parameters that run, so nothing is copied by hand. The other
-        arguments are the constructor's.
+        parameters that run, so nothing is copied by hand; with hybrid
+        clipping (a `basis`) it has per-block tuples and
+        `block_dimensions = basis.block_dimensions`. The other arguments are
+        the constructor's.
 
         Args:
           model: the DP model that `fit` will train.
@@ -349,7 +352,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                 f'{type(getattr(model, "optimizer", None)).__name__}. For '
                 'other models build the DpEvent and call PrivacyLedger(event, '
                 'delta, ...).')
-        event = guards.dp_event_from_params(params, num_examples)
+        event = guards.model_dp_event(model, num_examples)
         return cls(event, delta, target_epsilon=target_epsilon,
                    state_path=state_path, save_every_steps=save_every_steps,
                    orders=orders, log_dir=log_dir, verbose=verbose)

@@ -1,11 +1,20 @@
-"""Mechanisms on per-example gradients: the clip-mask-noise-normalise step."""
+"""Mechanisms on per-example gradients: the clip-mask-noise-normalise step.
+
+``aggregation`` is the one clip-mask-noise-normalise aggregation (one block or
+several); ``hybrid`` runs it on hybrid-clipping blocks of a ``HybridBasis``
+(``basis``) inside both training paths.
+"""
 
 from tf_twice.mechanism.aggregation import AggregationParams
 from tf_twice.mechanism.aggregation import MASK_PRECISION_BITS
+from tf_twice.mechanism.aggregation import add_block_noise_and_normalize
 from tf_twice.mechanism.aggregation import add_noise_and_normalize
+from tf_twice.mechanism.aggregation import clipped_masked_block_sums
 from tf_twice.mechanism.aggregation import clipped_masked_sum
 from tf_twice.mechanism.aggregation import coordinate_masks
 from tf_twice.mechanism.aggregation import draw_step_key
 from tf_twice.mechanism.aggregation import effective_coordinate_sampling_rate
 from tf_twice.mechanism.aggregation import standard_normal_noise
 from tf_twice.mechanism.aggregation import validate_params
+from tf_twice.mechanism.hybrid import BasisVariables
+from tf_twice.mechanism.hybrid import hybrid_noise_multipliers

@@ -1,8 +1,9 @@
 """The one clip-mask-noise-normalise aggregation of per-example gradients.
 
 Every training path (the optimizer classes in ``tf_twice.optimizers`` and the
-per-example model path in ``tf_twice.keras``) calls the two functions below, so
-the released quantity is defined in exactly one place. For a logical batch of
+per-example model path in ``tf_twice.keras``, both through
+``tf_twice.mechanism.hybrid``) calls the functions below, so the released
+quantity is defined in exactly one place. For a logical batch of
 (Poisson-sampled) examples with per-example gradients g_i:
 
 1. flatten g_i over all variables and clip it to l2 norm <= c2;
@@ -25,16 +26,31 @@ from Twice Sampling"); step 6 is post-processing.
 
 Randomness. A logical step draws one Philox key from a ``tf.random.Generator``
 (``draw_step_key``); masks and noise are stateless functions of that key. The
-mask of an example depends only on the key, the variable index and the
-example's position in the logical batch, so the same key gives the same masks
-however the batch is split into physical microbatches, and the optimizer path
-and the model path give identical updates from identical generator states.
+mask of an example depends only on the key, the block and tensor index and
+the example's position in the logical batch, so the same key gives the same
+masks however the batch is split into physical microbatches, and the
+optimizer path and the model path give identical updates from identical
+generator states.
 Tests may instead pass explicit ``masks`` and ``noise``.
 
-Hybrid clipping (several blocks, each with its own c2, c_inf and z) will reuse
-``_clip_scale`` and ``_sum_block`` per block; the public functions are written
-over a list of tensors that forms one block, whose random streams are numbered
-by the tensors' positions in that list.
+Hybrid clipping. ``clipped_masked_block_sums`` and
+``add_block_noise_and_normalize`` run the same steps on m blocks, each a list
+of tensors [B, ...] with its own c2_j, c_inf_j and z_j: block j is clipped on
+its own (l2 over all its tensors, then l-infinity), masked, summed and noised
+with N(0, (z_j c2_j)^2). One example then changes the released blocks by
+vectors s_j with ||s_j||_2 <= c2_j and ||s_j||_inf <= c_inf_j, each coordinate
+kept with probability q2: the multi-block twice-sampled Gaussian mechanism
+accounted by ``TwiceSampledGaussianDpEvent`` with per-block tuples.
+``clipped_masked_sum`` and ``add_noise_and_normalize`` are the one-block case.
+
+Random streams. Philox is a pseudorandom function of (key, 128-bit counter);
+the high 64 bits of the counter name a stream and the low 64 bits run within
+it, so distinct streams under one key are independent. Tensor v of block j
+takes its masks from stream j * 2**40 + v and its noise from stream
+j * 2**40 + 2**32 + v. Every (block, tensor, masks-or-noise) triple therefore
+has a stream of its own under the one step key, and block 0 uses exactly the
+streams of the single-block layout: with one block the numbers are those of
+``clipped_masked_sum`` for the same key.
 """
 
 import dataclasses
@@ -46,8 +62,11 @@ import tensorflow as tf
 
 __all__ = [
     'MASK_PRECISION_BITS',
+    'MAX_BLOCKS',
     'AggregationParams',
+    'add_block_noise_and_normalize',
     'add_noise_and_normalize',
+    'clipped_masked_block_sums',
     'clipped_masked_sum',
     'coordinate_masks',
     'draw_step_key',
@@ -64,9 +83,13 @@ __all__ = [
 MASK_PRECISION_BITS = 16
 _MASK_LEVELS = 2**MASK_PRECISION_BITS
 _PHILOX_ALG = 1  # tf.random.Algorithm.PHILOX
-# The high 64 bits of the Philox counter select a stream: masks of variable v
-# use stream v, noise of variable v uses stream _NOISE_STREAM + v.
+# The high 64 bits of the Philox counter select a stream: masks of tensor v of
+# block j use stream j * _BLOCK_STREAMS + v, its noise stream
+# j * _BLOCK_STREAMS + _NOISE_STREAM + v (block 0: the single-block layout).
 _NOISE_STREAM = 2**32
+_BLOCK_STREAMS = 2**40
+# Stream numbers must fit the signed 64-bit high word of the counter.
+MAX_BLOCKS = 2**22
 
 TensorLike = Union[tf.Tensor, int, float]
 
@@ -140,41 +163,147 @@ def validate_params(
                 f'expected_batch_size must be > 0, got {expected_batch_size}.')
 
 
+def _is_sequence(value) -> bool:
+    return isinstance(value, (list, tuple)) or (
+        hasattr(value, 'tolist') and getattr(value, 'ndim', 0) > 0)
+
+
+def _block_tuple(name: str, value, num_blocks: int) -> tuple:
+    values = tuple(value.tolist() if hasattr(value, 'tolist') else value)
+    if len(values) != num_blocks:
+        raise ValueError(
+            f'{name} must have one value per block ({num_blocks}, as '
+            f'l2_norm_clip), got {len(values)}: {value!r}.')
+    return values
+
+
 @dataclasses.dataclass(frozen=True)
 class AggregationParams:
-    """Validated parameters of one single-block aggregation.
+    """Validated parameters of one aggregation of one or several blocks.
+
+    One block (the common case): ``l2_norm_clip``, ``noise_multiplier`` and
+    ``linf_norm_clip`` are numbers (``linf_norm_clip`` may be None). Several
+    hybrid-clipping blocks (principal blocks, then the residual): they are
+    tuples of one value per block, m >= 2 of them (``linf_norm_clip`` may be
+    None for no l-infinity clipping in any block, and entries may be None).
+    Lists and numpy arrays are converted to tuples of floats.
 
     Attributes:
-      l2_norm_clip: c2 > 0, the l2 bound of one example's flattened gradient.
-      noise_multiplier: z >= 0; the noise std on every coordinate is z * c2.
+      l2_norm_clip: c2 > 0 (or c2_j per block), the l2 bound of one example's
+        flattened gradient (of its vector in block j).
+      noise_multiplier: z >= 0 (or z_j); the noise std on every coordinate
+        (of block j) is z * c2 (z_j * c2_j).
       expected_batch_size: n * q1 > 0, the expected logical batch size (in
         records); the update is divided by expected_batch_size * q2.
-      linf_norm_clip: c_inf > 0 or None (no l-infinity clipping). Values >= c2
-        have no effect on the sensitivity but are applied as given.
-      coordinate_sampling_rate: q2 in (0, 1].
+      linf_norm_clip: c_inf > 0 or None (no l-infinity clipping), or one such
+        value per block. Values >= c2 have no effect on the sensitivity but
+        are applied as given.
+      coordinate_sampling_rate: q2 in (0, 1], shared by all blocks.
     """
 
-    l2_norm_clip: float
-    noise_multiplier: float
+    l2_norm_clip: Union[float, Tuple[float, ...]]
+    noise_multiplier: Union[float, Tuple[float, ...]]
     expected_batch_size: float
-    linf_norm_clip: Optional[float] = None
+    linf_norm_clip: Union[None, float, Tuple[Optional[float], ...]] = None
     coordinate_sampling_rate: float = 1.0
 
     def __post_init__(self):
         validate_params(
-            l2_norm_clip=self.l2_norm_clip,
-            linf_norm_clip=self.linf_norm_clip,
-            noise_multiplier=self.noise_multiplier,
             coordinate_sampling_rate=self.coordinate_sampling_rate,
             expected_batch_size=self.expected_batch_size)
-        # Plain floats keep configs JSON-serialisable (no numpy scalars).
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is not None:
-                object.__setattr__(self, field.name, float(value))
+        per_block = [_is_sequence(getattr(self, name)) for name in
+                     ('l2_norm_clip', 'noise_multiplier', 'linf_norm_clip')]
+        if any(per_block):
+            self._init_blocks()
+        else:
+            validate_params(l2_norm_clip=self.l2_norm_clip,
+                            linf_norm_clip=self.linf_norm_clip,
+                            noise_multiplier=self.noise_multiplier)
+            for name in ('l2_norm_clip', 'noise_multiplier',
+                         'linf_norm_clip'):
+                value = getattr(self, name)
+                if value is not None:
+                    # Plain floats keep configs JSON-serialisable.
+                    object.__setattr__(self, name, float(value))
+        for name in ('expected_batch_size', 'coordinate_sampling_rate'):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    def _init_blocks(self) -> None:
+        """Validates per-block tuples (m >= 2 of equal length)."""
+        for name in ('l2_norm_clip', 'noise_multiplier'):
+            if not _is_sequence(getattr(self, name)):
+                raise ValueError(
+                    f'{name} must be a sequence of one value per block when '
+                    'another per-block argument is a sequence (several '
+                    'hybrid-clipping blocks); got '
+                    f'{getattr(self, name)!r}. Pass numbers for one block.')
+        clips = getattr(self, 'l2_norm_clip')
+        num_blocks = len(clips)
+        if num_blocks < 2:
+            raise ValueError(
+                'l2_norm_clip as a sequence means one value per hybrid-'
+                'clipping block, at least 2 (principal blocks, then the '
+                f'residual); got {clips!r}. Pass a number for one block.')
+        clips = _block_tuple('l2_norm_clip', clips, num_blocks)
+        noise = _block_tuple('noise_multiplier', self.noise_multiplier,
+                             num_blocks)
+        linf = self.linf_norm_clip
+        if linf is None:
+            linf = (None,) * num_blocks
+        elif not _is_sequence(linf):
+            raise ValueError(
+                'linf_norm_clip must be None or a sequence of one value (or '
+                f'None) per block ({num_blocks}) with several blocks; got '
+                f'{linf!r}.')
+        linf = _block_tuple('linf_norm_clip', linf, num_blocks)
+        for j in range(num_blocks):
+            try:
+                validate_params(l2_norm_clip=clips[j],
+                                linf_norm_clip=linf[j],
+                                noise_multiplier=noise[j])
+            except ValueError as err:
+                raise ValueError(f'block {j}: {err}') from err
+        object.__setattr__(self, 'l2_norm_clip',
+                           tuple(float(c) for c in clips))
+        object.__setattr__(self, 'noise_multiplier',
+                           tuple(float(z) for z in noise))
+        object.__setattr__(self, 'linf_norm_clip', tuple(
+            None if c is None else float(c) for c in linf))
+
+    @property
+    def num_blocks(self) -> int:
+        """m: 1 for scalar parameters, else the length of the tuples."""
+        return (len(self.l2_norm_clip)
+                if isinstance(self.l2_norm_clip, tuple) else 1)
+
+    @property
+    def l2_norm_clips(self) -> Tuple[float, ...]:
+        """c2_j for every block (a 1-tuple for one block)."""
+        return (self.l2_norm_clip if isinstance(self.l2_norm_clip, tuple)
+                else (self.l2_norm_clip,))
+
+    @property
+    def noise_multipliers(self) -> Tuple[float, ...]:
+        """z_j for every block."""
+        return (self.noise_multiplier
+                if isinstance(self.noise_multiplier, tuple)
+                else (self.noise_multiplier,))
+
+    @property
+    def linf_norm_clips(self) -> Tuple[Optional[float], ...]:
+        """c_inf_j (None: no l-infinity clipping) for every block."""
+        if isinstance(self.linf_norm_clip, tuple):
+            return self.linf_norm_clip
+        if self.num_blocks == 1:
+            return (self.linf_norm_clip,)
+        return (None,) * self.num_blocks
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a JSON-ready dict (per-block tuples as lists)."""
+        return {field.name: (list(value) if isinstance(value, tuple)
+                             else value)
+                for field in dataclasses.fields(self)
+                for value in [getattr(self, field.name)]}
 
 
 def draw_step_key(generator: tf.random.Generator) -> tf.Tensor:
@@ -205,12 +334,33 @@ def mask_bits_per_coordinate(coordinate_sampling_rate: float) -> int:
     return MASK_PRECISION_BITS
 
 
-def _row_masks(key, v, rows, offset, d, q2):
-    """[rows, d] masks of variable ``v`` for examples offset..offset+rows-1.
+def _mask_stream(block: int, v: int) -> int:
+    return block * _BLOCK_STREAMS + v
 
-    Each row takes a whole number of 128-bit Philox blocks, starting at the
-    block index of its global position, so the entries of an example do not
-    depend on which rows are generated together.
+
+def _noise_stream(block: int, v: int) -> int:
+    return block * _BLOCK_STREAMS + _NOISE_STREAM + v
+
+
+def _check_block_index(block, num_tensors: int) -> int:
+    if (isinstance(block, bool) or not isinstance(block, numbers.Integral)
+            or not 0 <= block < MAX_BLOCKS):
+        raise ValueError(
+            f'block must be an integer in [0, {MAX_BLOCKS}), got {block!r}.')
+    if num_tensors >= _NOISE_STREAM:
+        raise ValueError(
+            f'a block may hold at most {_NOISE_STREAM - 1} tensors, got '
+            f'{num_tensors}.')
+    return int(block)
+
+
+def _row_masks(key, stream, rows, offset, d, q2):
+    """[rows, d] masks of one tensor for examples offset..offset+rows-1.
+
+    ``stream`` is the tensor's mask stream (``_mask_stream``). Each row takes
+    a whole number of 128-bit Philox blocks, starting at the block index of
+    its global position, so the entries of an example do not depend on which
+    rows are generated together.
     """
     bits = mask_bits_per_coordinate(q2)
     threshold = int(effective_coordinate_sampling_rate(q2)
@@ -220,7 +370,7 @@ def _row_masks(key, v, rows, offset, d, q2):
     words = tf.raw_ops.StatelessRandomUniformFullIntV2(
         shape=tf.stack([rows, blocks * 4]),
         key=key,
-        counter=_counter(tf.cast(offset, tf.int64) * blocks, v),
+        counter=_counter(tf.cast(offset, tf.int64) * blocks, stream),
         alg=_PHILOX_ALG,
         dtype=tf.uint32)
     if bits == 16:
@@ -246,17 +396,21 @@ def coordinate_masks(
     coordinate_sampling_rate: float,
     batch_size: TensorLike,
     example_offset: TensorLike = 0,
+    *,
+    block: int = 0,
 ) -> List[tf.Tensor]:
     """Boolean Bernoulli masks of shape [batch_size, *shape], one per shape.
 
     Each entry is True independently with probability
     ``effective_coordinate_sampling_rate(q2)``: a uniform draw of
     ``mask_bits_per_coordinate(q2)`` bits is compared with the rate times
-    2**bits. Row i of the masks for variable v is a function of
-    (key, v, example_offset + i) only, so masks do not depend on how a
-    logical batch is split into microbatches.
+    2**bits. Row i of the masks for tensor v of block ``block`` is a function
+    of (key, block, v, example_offset + i) only, so masks do not depend on
+    how a logical batch is split into microbatches, and different blocks
+    (or tensors) draw from disjoint Philox streams.
     """
     validate_params(coordinate_sampling_rate=coordinate_sampling_rate)
+    block = _check_block_index(block, len(shapes))
     batch_size = tf.cast(batch_size, tf.int32)
     if coordinate_sampling_rate >= 1:
         return [tf.ones(tf.concat([[batch_size], shape], 0), tf.bool)
@@ -264,8 +418,13 @@ def coordinate_masks(
     masks = []
     for v, shape in enumerate(shapes):
         shape = [int(s) for s in shape]
-        mask = _row_masks(key, v, batch_size, example_offset,
-                          _num_elements(shape), coordinate_sampling_rate)
+        d = _num_elements(shape)
+        if d == 0:
+            masks.append(tf.zeros(tf.concat([[batch_size], shape], 0),
+                                  tf.bool))
+            continue
+        mask = _row_masks(key, _mask_stream(block, v), batch_size,
+                          example_offset, d, coordinate_sampling_rate)
         masks.append(tf.reshape(mask, [-1] + shape))
     return masks
 
@@ -274,13 +433,20 @@ def standard_normal_noise(
     key: tf.Tensor,
     shapes: Sequence[Sequence[int]],
     dtypes: Sequence[tf.DType],
+    *,
+    block: int = 0,
 ) -> List[tf.Tensor]:
-    """Independent N(0, 1) tensors of the given shapes, one stream each."""
+    """Independent N(0, 1) tensors of the given shapes, one stream each.
+
+    Tensor v of block ``block`` uses its own Philox stream, distinct from
+    every other tensor's and block's noise and masks under the same key.
+    """
+    block = _check_block_index(block, len(shapes))
     return [
         tf.raw_ops.StatelessRandomNormalV2(
             shape=[int(s) for s in shape],
             key=key,
-            counter=_counter(0, _NOISE_STREAM + v),
+            counter=_counter(0, _noise_stream(block, v)),
             alg=_PHILOX_ALG,
             dtype=dtype)
         for v, (shape, dtype) in enumerate(zip(shapes, dtypes))
@@ -302,25 +468,25 @@ def _check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
         return tf.identity(weights)
 
 
-def _clip_scale(
-    grads: Sequence[tf.Tensor], l2_norm_clip: float
-) -> Tuple[tf.Tensor, tf.Tensor]:
-    """Per-example l2 clip factors of one block and the finite-example flags.
-
-    Returns (scale [B], finite [B]): scale_i = min(1, c2 / ||g_i||) where the
-    squared norm is finite and 0 elsewhere.
-    """
-    dtype = grads[0].dtype
+def _squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Per-example squared l2 norm [B] over all tensors of one block."""
     squares = [
-        tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1)
-        for g in grads
+        tf.reduce_sum(tf.reshape(tf.square(g), [-1, _num_elements(
+            g.shape[1:])]), axis=1)
+        for g in grads if _num_elements(g.shape[1:]) > 0
     ]
-    sq_norm = tf.add_n(squares)
-    finite = tf.math.is_finite(sq_norm)
+    if not squares:  # Only empty tensors: every example has norm 0.
+        return tf.zeros([tf.shape(grads[0])[0]], grads[0].dtype)
+    return tf.add_n(squares)
+
+
+def _clip_scale(sq_norm: tf.Tensor, finite: tf.Tensor,
+                l2_norm_clip: float) -> tf.Tensor:
+    """Per-example l2 clip factors of one block: min(1, c2 / ||g_i||) where
+    ``finite``, 0 elsewhere."""
     norm = tf.sqrt(tf.where(finite, sq_norm, tf.zeros_like(sq_norm)))
-    c2 = tf.constant(l2_norm_clip, dtype)
-    scale = tf.where(finite, c2 / tf.maximum(norm, c2), tf.zeros_like(norm))
-    return scale, finite
+    c2 = tf.constant(l2_norm_clip, sq_norm.dtype)
+    return tf.where(finite, c2 / tf.maximum(norm, c2), tf.zeros_like(norm))
 
 
 def _drop_non_finite(grads: Sequence[tf.Tensor],
@@ -380,16 +546,21 @@ def _sum_block(
     key: Optional[tf.Tensor],
     example_offset: TensorLike,
     jit_compile: bool,
+    block: int = 0,
 ) -> List[tf.Tensor]:
     """sum_i w_i * mask_i * clip_inf(scale_i * g_i) for each tensor of a block.
 
-    Mask streams are numbered by the tensor's position in ``grads``.
+    Tensor k of block ``block`` draws its masks from ``_mask_stream(block,
+    k)``.
     """
     offset = tf.cast(example_offset, tf.int64)
     elementwise = _clip_and_mask_fused if jit_compile else _clip_and_mask
     sums = []
     for k, g in enumerate(grads):
         d = _num_elements(g.shape[1:])
+        if d == 0:  # E.g. a group with no column in this principal block.
+            sums.append(tf.zeros(g.shape[1:], g.dtype))
+            continue
         flat = tf.reshape(g, [-1, d])
         mask = None if masks is None else tf.reshape(masks[k], [-1, d])
         if linf_norm_clip is None:
@@ -398,13 +569,138 @@ def _sum_block(
             coef = weights
         if linf_norm_clip is not None or coordinate_sampling_rate < 1 or (
                 mask is not None):
-            flat = elementwise(flat, scale, mask, key, offset, k,
+            flat = elementwise(flat, scale, mask, key, offset,
+                               _mask_stream(block, k),
                                coordinate_sampling_rate, linf_norm_clip)
         if coef is None:
             total = tf.reduce_sum(flat, axis=0)
         else:
             total = tf.linalg.matvec(flat, coef, transpose_a=True)
         sums.append(tf.reshape(total, g.shape[1:]))
+    return sums
+
+
+def _per_block(name: str, values, num_blocks: int) -> list:
+    """A per-block argument as a list of length ``num_blocks``."""
+    if values is None:
+        return [None] * num_blocks
+    if isinstance(values, (str, bytes)) or not isinstance(
+            values, Sequence) and not hasattr(values, 'tolist'):
+        raise ValueError(
+            f'{name} must be a sequence with one entry per block '
+            f'({num_blocks}), got {values!r}.')
+    values = list(values.tolist() if hasattr(values, 'tolist') else values)
+    if len(values) != num_blocks:
+        raise ValueError(
+            f'{name} must have one entry per block ({num_blocks}), got '
+            f'{len(values)}.')
+    return values
+
+
+def _check_blocks(blocks) -> List[List[tf.Tensor]]:
+    if isinstance(blocks, (tf.Tensor, str)) or not blocks:
+        raise ValueError('blocks must be a non-empty sequence of blocks, '
+                         'each a non-empty list of tensors [B, ...].')
+    if len(blocks) > MAX_BLOCKS:
+        raise ValueError(f'blocks must hold at most {MAX_BLOCKS} blocks, got '
+                         f'{len(blocks)}.')
+    out = []
+    for j, block in enumerate(blocks):
+        tensors = [tf.convert_to_tensor(g) for g in block]
+        if not tensors:
+            raise ValueError(f'blocks[{j}] must contain at least one tensor.')
+        _check_block_index(j, len(tensors))
+        for g in tensors:
+            if g.shape.rank is None or g.shape.rank < 1 or (
+                    not g.shape[1:].is_fully_defined()):
+                raise ValueError(
+                    'per-example tensors must have static shapes [B, *shape]; '
+                    f'got {g.shape} in blocks[{j}].')
+        out.append(tensors)
+    return out
+
+
+def clipped_masked_block_sums(
+    blocks: Sequence[Sequence[tf.Tensor]],
+    *,
+    l2_norm_clips: Sequence[float],
+    linf_norm_clips: Optional[Sequence[Optional[float]]] = None,
+    coordinate_sampling_rate: float = 1.0,
+    weights: Optional[tf.Tensor] = None,
+    key: Optional[tf.Tensor] = None,
+    example_offset: TensorLike = 0,
+    masks: Optional[Sequence[Sequence[tf.Tensor]]] = None,
+    jit_compile: bool = True,
+) -> List[List[tf.Tensor]]:
+    """Steps 1-4 on m blocks, each clipped on its own.
+
+    Args:
+      blocks: m blocks; block j is a list of tensors [B, *shape] (e.g. the
+        coefficients of principal block j, one tensor per parameter group, or
+        the residual in natural coordinates); row i of all of block j's
+        tensors together is example i's vector in block j. All blocks hold
+        the same B examples.
+      l2_norm_clips: c2_j > 0 per block; block j's l2 norm is over all its
+        tensors.
+      linf_norm_clips: None (no l-infinity clipping), or c_inf_j > 0 or None
+        per block, applied to every coordinate of block j after its l2 clip.
+      coordinate_sampling_rate: q2 in (0, 1], for every block.
+      weights: optional [B] weights in [0, 1] shared by all blocks.
+      key: the step key; required when q2 < 1 and ``masks`` is None.
+      example_offset: position of row 0 in the logical batch.
+      masks: optional explicit masks, ``masks[j][k]`` for tensor k of block j.
+      jit_compile: fuse mask generation, clipping and masking (same result).
+
+    Returns:
+      ``sums[j][k]``: the weighted sum over examples of the clipped masked
+      tensor k of block j, of shape ``blocks[j][k].shape[1:]``. Every
+      example's contribution to block j has l2 norm <= c2_j and every
+      coordinate in [-c_inf_j, c_inf_j]; its masks are independent of every
+      other block's (disjoint Philox streams, see the module docstring).
+
+    Non-finite gradients: an example whose vector in ANY block has a
+    non-finite squared norm is dropped from every block (it contributes
+    exactly zero, inside every block's sensitivity set).
+    """
+    blocks = _check_blocks(blocks)
+    num_blocks = len(blocks)
+    clips = _per_block('l2_norm_clips', l2_norm_clips, num_blocks)
+    linf = _per_block('linf_norm_clips', linf_norm_clips, num_blocks)
+    for j in range(num_blocks):
+        try:
+            validate_params(l2_norm_clip=clips[j], linf_norm_clip=linf[j])
+        except ValueError as err:
+            raise ValueError(f'block {j}: {err}') from err
+    validate_params(coordinate_sampling_rate=coordinate_sampling_rate)
+    dtype = blocks[0][0].dtype
+    if masks is not None:
+        masks = _per_block('masks', masks, num_blocks)
+        for j, (block, block_masks) in enumerate(zip(blocks, masks)):
+            if len(block_masks) != len(block):
+                raise ValueError(
+                    f'masks[{j}] must have one tensor per tensor of '
+                    f'blocks[{j}] ({len(block)}), got {len(block_masks)}.')
+        masks = [[tf.cast(m, tf.bool) for m in block_masks]
+                 for block_masks in masks]
+    elif coordinate_sampling_rate < 1 and key is None:
+        raise ValueError(
+            'key (from draw_step_key) or masks is required when '
+            f'coordinate_sampling_rate < 1, got {coordinate_sampling_rate}.')
+    if weights is not None:
+        weights = _check_weights(weights, dtype)
+
+    sq_norms = [_squared_norms(block) for block in blocks]
+    finite = tf.math.is_finite(sq_norms[0])
+    for sq_norm in sq_norms[1:]:
+        finite = tf.logical_and(finite, tf.math.is_finite(sq_norm))
+    sums = []
+    for j, block in enumerate(blocks):
+        scale = _clip_scale(sq_norms[j], finite, clips[j])
+        block = _drop_non_finite(block, finite)
+        sums.append(_sum_block(
+            block, scale, weights, linf[j], coordinate_sampling_rate,
+            None if masks is None else masks[j], key, example_offset,
+            jit_compile, block=j))
     return sums
 
 
@@ -421,6 +717,9 @@ def clipped_masked_sum(
     jit_compile: bool = True,
 ) -> List[tf.Tensor]:
     """Clips, masks, weights and sums per-example gradients (steps 1-4).
+
+    The one-block case of ``clipped_masked_block_sums`` (block 0, whose
+    random streams are those of the single-block layout).
 
     Args:
       per_example_grads: one tensor [B, *var_shape] per variable; row i of all
@@ -461,25 +760,90 @@ def clipped_masked_sum(
             raise ValueError(
                 'per_example_grads must have static shapes [B, *var_shape]; '
                 f'got {g.shape}.')
-    dtype = grads[0].dtype
-    if masks is not None:
-        if len(masks) != len(grads):
-            raise ValueError(
-                f'masks must have one tensor per gradient ({len(grads)}), '
-                f'got {len(masks)}.')
-        masks = [tf.cast(m, tf.bool) for m in masks]
-    elif coordinate_sampling_rate < 1 and key is None:
+    if masks is not None and len(masks) != len(grads):
         raise ValueError(
-            'key (from draw_step_key) or masks is required when '
-            f'coordinate_sampling_rate < 1, got {coordinate_sampling_rate}.')
-    if weights is not None:
-        weights = _check_weights(weights, dtype)
+            f'masks must have one tensor per gradient ({len(grads)}), '
+            f'got {len(masks)}.')
+    return clipped_masked_block_sums(
+        [grads],
+        l2_norm_clips=[l2_norm_clip],
+        linf_norm_clips=[linf_norm_clip],
+        coordinate_sampling_rate=coordinate_sampling_rate,
+        weights=weights,
+        key=key,
+        example_offset=example_offset,
+        masks=None if masks is None else [masks],
+        jit_compile=jit_compile)[0]
 
-    scale, finite = _clip_scale(grads, l2_norm_clip)
-    grads = _drop_non_finite(grads, finite)
-    return _sum_block(grads, scale, weights, linf_norm_clip,
-                      coordinate_sampling_rate, masks, key, example_offset,
-                      jit_compile)
+
+def add_block_noise_and_normalize(
+    block_sums: Sequence[Sequence[tf.Tensor]],
+    *,
+    l2_norm_clips: Sequence[float],
+    noise_multipliers: Sequence[float],
+    expected_batch_size: float,
+    coordinate_sampling_rate: float = 1.0,
+    key: Optional[tf.Tensor] = None,
+    noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
+) -> List[List[tf.Tensor]]:
+    """Steps 5-6 on m blocks: N(0, (z_j c2_j)^2) per coordinate of block j,
+    then division by expected_batch_size * q2.
+
+    Args:
+      block_sums: ``sums[j][k]`` from ``clipped_masked_block_sums``
+        (accumulated over the physical microbatches of one logical batch).
+      l2_norm_clips: c2_j > 0 per block.
+      noise_multipliers: z_j >= 0 per block (0: no noise in that block; not
+        private, for tests).
+      expected_batch_size: n * q1 > 0 (never the realised batch size).
+      coordinate_sampling_rate: q2; the divisor uses the realised mask rate.
+      key: the step key; required when some z_j > 0 and ``noise`` is None.
+        Block j's noise comes from its own streams (``standard_normal_noise
+        (..., block=j)``), independent of every other block's.
+      noise: optional explicit N(0, 1) draws, ``noise[j][k]`` (for tests).
+
+    Returns:
+      ``update[j][k]``: the noisy normalised sums, one per input sum.
+    """
+    num_blocks = len(block_sums)
+    if num_blocks < 1:
+        raise ValueError('block_sums must hold at least one block.')
+    clips = _per_block('l2_norm_clips', l2_norm_clips, num_blocks)
+    zs = _per_block('noise_multipliers', noise_multipliers, num_blocks)
+    for j in range(num_blocks):
+        try:
+            validate_params(l2_norm_clip=clips[j], noise_multiplier=zs[j])
+        except ValueError as err:
+            raise ValueError(f'block {j}: {err}') from err
+    validate_params(coordinate_sampling_rate=coordinate_sampling_rate,
+                    expected_batch_size=expected_batch_size)
+    if noise is not None:
+        noise = _per_block('noise', noise, num_blocks)
+    denom = expected_batch_size * effective_coordinate_sampling_rate(
+        coordinate_sampling_rate)
+    out = []
+    for j, sums in enumerate(block_sums):
+        sums = [tf.convert_to_tensor(s) for s in sums]
+        if zs[j] > 0:
+            block_noise = None if noise is None else noise[j]
+            if block_noise is None:
+                if key is None:
+                    raise ValueError(
+                        'key (from draw_step_key) or noise is required when '
+                        f'noise_multiplier > 0, got {zs[j]}.')
+                block_noise = standard_normal_noise(
+                    key, [s.shape for s in sums], [s.dtype for s in sums],
+                    block=j)
+            elif len(block_noise) != len(sums):
+                raise ValueError(
+                    f'noise must have one tensor per sum ({len(sums)}), got '
+                    f'{len(block_noise)}' + (f' in block {j}.'
+                                             if num_blocks > 1 else '.'))
+            std = zs[j] * clips[j]
+            sums = [s + tf.cast(std, s.dtype) * tf.cast(e, s.dtype)
+                    for s, e in zip(sums, block_noise)]
+        out.append([s / tf.cast(denom, s.dtype) for s in sums])
+    return out
 
 
 def add_noise_and_normalize(
@@ -493,6 +857,8 @@ def add_noise_and_normalize(
     noise: Optional[Sequence[tf.Tensor]] = None,
 ) -> List[tf.Tensor]:
     """Adds N(0, (z c2)^2) per coordinate, divides by B_exp q2 (steps 5-6).
+
+    The one-block case of ``add_block_noise_and_normalize``.
 
     Args:
       sums: the accumulated ``clipped_masked_sum`` of one logical batch.
@@ -515,22 +881,11 @@ def add_noise_and_normalize(
         noise_multiplier=noise_multiplier,
         coordinate_sampling_rate=coordinate_sampling_rate,
         expected_batch_size=expected_batch_size)
-    sums = [tf.convert_to_tensor(s) for s in sums]
-    if noise_multiplier > 0:
-        if noise is None:
-            if key is None:
-                raise ValueError(
-                    'key (from draw_step_key) or noise is required when '
-                    f'noise_multiplier > 0, got {noise_multiplier}.')
-            noise = standard_normal_noise(key, [s.shape for s in sums],
-                                          [s.dtype for s in sums])
-        elif len(noise) != len(sums):
-            raise ValueError(
-                f'noise must have one tensor per sum ({len(sums)}), got '
-                f'{len(noise)}.')
-        std = noise_multiplier * l2_norm_clip
-        sums = [s + tf.cast(std, s.dtype) * tf.cast(e, s.dtype)
-                for s, e in zip(sums, noise)]
-    denom = expected_batch_size * effective_coordinate_sampling_rate(
-        coordinate_sampling_rate)
-    return [s / tf.cast(denom, s.dtype) for s in sums]
+    return add_block_noise_and_normalize(
+        [sums],
+        l2_norm_clips=[l2_norm_clip],
+        noise_multipliers=[noise_multiplier],
+        expected_batch_size=expected_batch_size,
+        coordinate_sampling_rate=coordinate_sampling_rate,
+        key=key,
+        noise=None if noise is None else [noise])[0]

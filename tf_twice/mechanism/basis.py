@@ -388,6 +388,35 @@ class HybridBasis:
         """U_g = [U_{g,1} .. U_{g,m-1}], [d_g, k_g] float32, per group."""
         return self._matrices
 
+    @property
+    def structure(self) -> Tuple[Any, ...]:
+        """(groups, variable_shapes, group_ranks): everything but the values.
+
+        Two bases with the same structure have the same block dimensions and
+        matrix shapes, so one can replace the other in the variables a traced
+        training step reads (``tf_twice.mechanism.hybrid.BasisVariables``)
+        without retracing and without changing the step's DpEvent.
+        """
+        return (self._groups, self._variable_shapes, self._group_ranks)
+
+    def _resolve_matrices(self, matrices) -> Sequence[Any]:
+        """``self.group_matrices``, or same-shaped replacements (e.g. the
+        tf.Variables a traced step reads), checked against the structure."""
+        if matrices is None:
+            return self._matrices
+        matrices = list(matrices)
+        if len(matrices) != self.num_groups:
+            raise ValueError(
+                f'matrices must have one [d_g, k_g] matrix per group '
+                f'({self.num_groups}); got {len(matrices)}.')
+        for g, (m, d_g, row) in enumerate(
+                zip(matrices, self._group_dims, self._group_ranks)):
+            if tuple(m.shape) != (d_g, sum(row)):
+                raise ValueError(
+                    f'matrices[{g}] must have shape (d_g, k_g) = ({d_g}, '
+                    f'{sum(row)}); got {tuple(m.shape)}.')
+        return matrices
+
     def block(self, group: int, block: int) -> tf.Tensor:
         """U_{g,j}: the [d_g, r_{g,j}] columns of block j in group g."""
         group = _check_int('group', group, 0)
@@ -476,19 +505,27 @@ class HybridBasis:
 
     # Projection.
 
-    def project(self, flat_per_group: Sequence[ArrayLike]) -> Projection:
+    def project(self, flat_per_group: Sequence[ArrayLike],
+                matrices: Optional[Sequence[Any]] = None) -> Projection:
         """Splits group vectors x_g [..., d_g] into the hybrid blocks.
 
         Returns ``Projection(coefficients, residual)`` with
         ``coefficients[j][g] = x_g U_{g,j}`` ([..., r_{g,j}]) and
         ``residual[g] = x_g - U_g a_g`` ([..., d_g]). With U orthonormal the
         residual is orthogonal to every block (up to the tolerance).
+
+        ``matrices`` (optional) replaces ``group_matrices`` by tensors or
+        tf.Variables of the same shapes, e.g. variables that a traced
+        training step reads and that a basis refresh assigns. Their
+        orthonormality is the caller's to keep (assign only values of a
+        ``HybridBasis`` of the same ``structure``).
         """
         per_group = self._check_per_group('flat_per_group', flat_per_group)
         coefficients: List[List[tf.Tensor]] = [
             [] for _ in range(self.num_principal_blocks)]
         residual = []
-        for x, u, row in zip(per_group, self._matrices, self._group_ranks):
+        for x, u, row in zip(per_group, self._resolve_matrices(matrices),
+                             self._group_ranks):
             u = tf.cast(u, x.dtype)
             a = _times(x, u)
             residual.append(x - _times(a, u, transpose=True))
@@ -497,12 +534,16 @@ class HybridBasis:
         return Projection(coefficients, residual)
 
     def reconstruct(self, coefficients: Sequence[Sequence[ArrayLike]],
-                    residual: Sequence[ArrayLike]) -> List[tf.Tensor]:
+                    residual: Sequence[ArrayLike],
+                    matrices: Optional[Sequence[Any]] = None
+                    ) -> List[tf.Tensor]:
         """U a + r per group ([..., d_g]): the inverse of ``project``.
 
         Linear in both arguments, so it maps noisy coefficient sums and a
         noisy residual sum (post-processing) to a gradient-space update.
+        ``matrices`` as in ``project``.
         """
+        matrices = self._resolve_matrices(matrices)
         residual = self._check_per_group('residual', residual)
         if len(coefficients) != self.num_principal_blocks:
             raise ValueError(
@@ -510,7 +551,7 @@ class HybridBasis:
                 f'got {len(coefficients)}.')
         out = []
         for g, (r, u, row) in enumerate(
-                zip(residual, self._matrices, self._group_ranks)):
+                zip(residual, matrices, self._group_ranks)):
             pieces = []
             for j in range(self.num_principal_blocks):
                 if len(coefficients[j]) != self.num_groups:
@@ -528,22 +569,25 @@ class HybridBasis:
             out.append(r + _times(a, tf.cast(u, r.dtype), transpose=True))
         return out
 
-    def decompose(self, per_variable: Sequence[ArrayLike]) -> Projection:
+    def decompose(self, per_variable: Sequence[ArrayLike],
+                  matrices: Optional[Sequence[Any]] = None) -> Projection:
         """``project`` on per-variable tensors; residual per variable.
 
         The residual comes back in variable shapes [..., *shape_v], so it is
         one more list of gradient-shaped tensors (the residual block), and
         each ``coefficients[j]`` is a list of tensors forming block j.
+        ``matrices`` as in ``project``.
         """
-        projection = self.project(self.flatten(per_variable))
+        projection = self.project(self.flatten(per_variable), matrices)
         return Projection(projection.coefficients,
                           self.unflatten(projection.residual))
 
     def compose(self, coefficients: Sequence[Sequence[ArrayLike]],
-                residual: Sequence[ArrayLike]) -> List[tf.Tensor]:
+                residual: Sequence[ArrayLike],
+                matrices: Optional[Sequence[Any]] = None) -> List[tf.Tensor]:
         """Inverse of ``decompose``: U a + r in variable shapes."""
         return self.unflatten(
-            self.reconstruct(coefficients, self.flatten(residual)))
+            self.reconstruct(coefficients, self.flatten(residual), matrices))
 
     # Persistence.
 

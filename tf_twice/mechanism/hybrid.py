@@ -1,0 +1,331 @@
+"""Hybrid clipping in a training step: gradients -> blocks -> one aggregation.
+
+Both training paths (``tf_twice.keras.DPModel`` and the optimizer classes in
+``tf_twice.optimizers``) call ``block_sums`` on every physical microbatch and
+``noisy_update`` once per logical batch, so the per-block step is defined
+here only, on top of ``aggregation.clipped_masked_block_sums`` and
+``aggregation.add_block_noise_and_normalize``. For per-example gradients g_i
+and a ``HybridBasis`` U (principal blocks U_1..U_{m-1}, block-diagonal over
+parameter groups):
+
+1. a_i = U^T g_i (principal block j: the coefficients along U_j, one tensor
+   per parameter group) and r_i = g_i - U a_i (the residual, one tensor of
+   d_g natural coordinates per group);
+2. block j is clipped to l2 <= c2_j, then every coordinate to c_inf_j;
+3. every coordinate of every block is kept with probability q2 (independent
+   masks: each block draws from its own Philox streams);
+4. sums over the batch (weights in [0, 1]);
+5. N(0, (z_j c2_j)^2) on every coordinate of block j (principal blocks: on
+   the r_j coefficients; residual: on all d natural coordinates);
+6. update = (U a~ + r~) / (expected_batch_size * q2).
+
+With no basis there is one block, g_i itself, and the step is exactly the
+single-block aggregation (same numbers for the same key).
+
+Guarantee: for a basis that depends only on public data and the current
+model, one step releases (noisy coefficient sums, noisy residual sum), a
+twice-sampled Gaussian mechanism whose per-example contribution lies in the
+hybrid set {(s_1..s_m): ||s_j||_2 <= c2_j, ||s_j||_inf <= c_inf_j}; it is
+exactly ``TwiceSampledGaussianDpEvent`` with the per-block tuples and
+``block_dimensions = basis.block_dimensions`` (r_1..r_{m-1}, d). The update is
+post-processing; the guarantee does not depend on U being orthonormal.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from tf_twice import accounting
+from tf_twice.accounting import conversion as conversion_lib
+from tf_twice.mechanism import aggregation
+from tf_twice.mechanism import basis as basis_lib
+
+__all__ = [
+    'BasisVariables',
+    'BlockSums',
+    'block_sums',
+    'check_basis_matches_variables',
+    'check_block_params',
+    'hybrid_noise_multipliers',
+    'noisy_update',
+    'split_into_blocks',
+    'zero_block_sums',
+]
+
+BlockSums = List[List[tf.Tensor]]
+
+
+def check_block_params(params: aggregation.AggregationParams,
+                       basis: Optional[basis_lib.HybridBasis]) -> None:
+    """Refuses per-block parameters that do not fit ``basis``.
+
+    Without a basis, ``l2_norm_clip``, ``noise_multiplier`` and
+    ``linf_norm_clip`` must be numbers (one block). With a basis of m blocks
+    they must hold m values each: the principal blocks in order, then the
+    residual.
+
+    Raises:
+      ValueError: naming the argument and the expected length.
+    """
+    if basis is not None and not isinstance(basis, basis_lib.HybridBasis):
+        raise ValueError('basis must be a tf_twice HybridBasis or None; got '
+                         f'{type(basis).__name__}.')
+    if basis is None:
+        if params.num_blocks != 1:
+            raise ValueError(
+                'l2_norm_clip, noise_multiplier and linf_norm_clip are '
+                f'sequences of {params.num_blocks} per-block values, but no '
+                'basis is given: pass numbers for one block, or basis='
+                'HybridBasis(...) (e.g. from learn_basis) for hybrid '
+                'clipping.')
+        return
+    m = basis.num_blocks
+    if params.num_blocks != m:
+        got = ('a number' if params.num_blocks == 1 else
+               f'{params.num_blocks} values')
+        raise ValueError(
+            f'l2_norm_clip, noise_multiplier and linf_norm_clip must hold one '
+            f'value per block of the basis: {m} ({m - 1} principal blocks, '
+            f'then the residual); got {got}. Split a global l2 budget with '
+            'split_l2_budget(c, public_block_norms(basis, public_grads)) and '
+            'choose the noise with hybrid_noise_multipliers.')
+
+
+def check_basis_matches_variables(basis: basis_lib.HybridBasis,
+                                  variables: Sequence[tf.Variable]) -> None:
+    """Refuses a basis whose variable shapes are not ``variables``' shapes."""
+    shapes = tuple(tuple(int(s) for s in v.shape) for v in variables)
+    if shapes != basis.variable_shapes:
+        raise ValueError(
+            'basis.variable_shapes must be the shapes of the trainable '
+            f'variables, in order: {shapes}; got {basis.variable_shapes}. '
+            'Learn the basis from gradients of this model\'s '
+            'trainable_variables (public_per_example_gradients).')
+
+
+class BasisVariables:
+    """A ``HybridBasis`` held in fixed-shape, non-trainable tf.Variables.
+
+    A traced training step reads U_g from ``variables``; ``assign`` writes a
+    new basis of the same ``structure`` into them, so a basis refresh takes
+    effect at the next step without retracing. The variables are plain
+    attributes of this (untracked) object: they are not trainable weights
+    and are not written to checkpoints.
+
+    Args:
+      basis: the initial basis.
+      name: prefix of the variables' names.
+    """
+
+    def __init__(self, basis: basis_lib.HybridBasis,
+                 name: str = 'hybrid_basis'):
+        if not isinstance(basis, basis_lib.HybridBasis):
+            raise ValueError('basis must be a tf_twice HybridBasis; got '
+                             f'{type(basis).__name__}.')
+        self._basis = basis
+        with tf.init_scope():
+            self._variables = tuple(
+                tf.Variable(m, trainable=False, name=f'{name}_group_{g}')
+                for g, m in enumerate(basis.group_matrices))
+
+    @property
+    def basis(self) -> basis_lib.HybridBasis:
+        """The basis last assigned (its structure is fixed)."""
+        return self._basis
+
+    @property
+    def variables(self) -> Tuple[tf.Variable, ...]:
+        """U_g per group, [d_g, k_g] float32."""
+        return self._variables
+
+    def assign(self, basis: basis_lib.HybridBasis) -> None:
+        """Writes ``basis`` into the variables.
+
+        Raises:
+          ValueError: ``basis`` is not a HybridBasis of the same structure
+            (groups, variable shapes, ranks per group and block); a different
+            structure would change the matrix shapes and the block
+            dimensions of the step's DpEvent.
+        """
+        if not isinstance(basis, basis_lib.HybridBasis):
+            raise ValueError('basis must be a tf_twice HybridBasis; got '
+                             f'{type(basis).__name__}.')
+        if basis.structure != self._basis.structure:
+            raise ValueError(
+                'basis must have the structure of the current one (same '
+                'groups, variable_shapes and group_ranks): got group_ranks '
+                f'{basis.group_ranks} and groups {basis.groups}, expected '
+                f'{self._basis.group_ranks} and {self._basis.groups}. Learn '
+                'it with the same ranks, groups and rank_split.')
+        for variable, matrix in zip(self._variables, basis.group_matrices):
+            variable.assign(matrix)
+        self._basis = basis
+
+
+def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
+                      basis: Optional[basis_lib.HybridBasis] = None,
+                      matrices: Optional[Sequence[tf.Variable]] = None
+                      ) -> BlockSums:
+    """Per-example gradients -> the blocks of step 1.
+
+    Returns ``blocks[j]``, a list of tensors [B, ...]: with no basis the one
+    block ``per_example_grads``; else principal block j as one [B, r_{g,j}]
+    tensor per group, then the residual as one [B, d_g] tensor per group.
+    ``matrices`` replaces the basis's matrices (see ``HybridBasis.project``).
+    """
+    grads = [tf.convert_to_tensor(g) for g in per_example_grads]
+    if basis is None:
+        return [grads]
+    projection = basis.project(basis.flatten(grads), matrices)
+    return ([list(c) for c in projection.coefficients]
+            + [list(projection.residual)])
+
+
+def zero_block_sums(variables: Sequence[tf.Variable],
+                    basis: Optional[basis_lib.HybridBasis] = None
+                    ) -> BlockSums:
+    """Zero accumulators with the layout ``block_sums`` returns."""
+    dtype = variables[0].dtype.base_dtype if variables else tf.float32
+    if basis is None:
+        return [[tf.zeros(v.shape, v.dtype.base_dtype) for v in variables]]
+    principal = [[tf.zeros([row[j]], dtype) for row in basis.group_ranks]
+                 for j in range(basis.num_principal_blocks)]
+    return principal + [[tf.zeros([d], dtype) for d in basis.group_dims]]
+
+
+def block_sums(per_example_grads: Sequence[tf.Tensor],
+               params: aggregation.AggregationParams,
+               *,
+               basis: Optional[basis_lib.HybridBasis] = None,
+               matrices: Optional[Sequence[tf.Variable]] = None,
+               weights: Optional[tf.Tensor] = None,
+               key: Optional[tf.Tensor] = None,
+               example_offset=0,
+               masks: Optional[Sequence[Sequence[tf.Tensor]]] = None,
+               jit_compile: bool = True) -> BlockSums:
+    """Steps 1-4 on one physical microbatch; add the results over chunks.
+
+    Args:
+      per_example_grads: one tensor [B, *var_shape] per trainable variable.
+      params: the step's parameters; per-block tuples with a basis.
+      basis: the hybrid-clipping basis, or None (one block).
+      matrices: the tf.Variables holding the basis (``BasisVariables``), or
+        None to use ``basis.group_matrices``.
+      weights, key, example_offset, masks, jit_compile: as in
+        ``aggregation.clipped_masked_block_sums``.
+
+    Returns:
+      ``sums[j][k]``; every example contributes to block j a vector of l2
+      norm <= c2_j with coordinates in [-c_inf_j, c_inf_j].
+    """
+    check_block_params(params, basis)
+    blocks = split_into_blocks(per_example_grads, basis, matrices)
+    return aggregation.clipped_masked_block_sums(
+        blocks,
+        l2_norm_clips=params.l2_norm_clips,
+        linf_norm_clips=params.linf_norm_clips,
+        coordinate_sampling_rate=params.coordinate_sampling_rate,
+        weights=weights,
+        key=key,
+        example_offset=example_offset,
+        masks=masks,
+        jit_compile=jit_compile)
+
+
+def noisy_update(sums: BlockSums,
+                 params: aggregation.AggregationParams,
+                 *,
+                 basis: Optional[basis_lib.HybridBasis] = None,
+                 matrices: Optional[Sequence[tf.Variable]] = None,
+                 key: Optional[tf.Tensor] = None,
+                 noise: Optional[Sequence[Sequence[tf.Tensor]]] = None
+                 ) -> List[tf.Tensor]:
+    """Steps 5-6: per-block noise, normalisation, (U a~ + r~) per variable.
+
+    Args:
+      sums: the ``block_sums`` of a whole logical batch.
+      params, basis, matrices: as in ``block_sums``.
+      key: the step key (block j's noise uses block j's streams).
+      noise: optional explicit N(0, 1) draws ``noise[j][k]`` (for tests).
+
+    Returns:
+      The update, one tensor per trainable variable (in its shape).
+    """
+    check_block_params(params, basis)
+    noisy = aggregation.add_block_noise_and_normalize(
+        sums,
+        l2_norm_clips=params.l2_norm_clips,
+        noise_multipliers=params.noise_multipliers,
+        expected_batch_size=params.expected_batch_size,
+        coordinate_sampling_rate=params.coordinate_sampling_rate,
+        key=key,
+        noise=noise)
+    if basis is None:
+        return noisy[0]
+    # Linear post-processing of the released pair.
+    return basis.unflatten(basis.reconstruct(noisy[:-1], noisy[-1],
+                                             matrices))
+
+
+def hybrid_noise_multipliers(
+        basis: basis_lib.HybridBasis,
+        l2_norm_clips: Sequence[float],
+        linf_norm_clips: Optional[Sequence[Optional[float]]] = None,
+        *,
+        target_epsilon: float,
+        delta: float,
+        steps: int,
+        example_sampling_rate: float,
+        coordinate_sampling_rate: float,
+        orders: Optional[Sequence[float]] = None,
+        conversion: conversion_lib.ConversionLike = 'dp_accounting',
+) -> Tuple[float, ...]:
+    """Per-block noise multipliers z_j for ``basis`` meeting a budget.
+
+    ``accounting.optimize_block_noise`` with ``ranks = basis.
+    block_dimensions`` (r_1..r_{m-1} principal coefficients, then d residual
+    coordinates): the z_j minimise the total noise variance
+    sum_j r_j (z_j c2_j)^2 subject to (target_epsilon, delta) after ``steps``
+    steps of the twice-sampled hybrid mechanism. Guarantee: the result
+    always meets the budget (checked by the full accountant); pass it as
+    ``noise_multiplier`` to DPModel or an optimizer with the same clips.
+
+    Args:
+      basis: the basis training will use (only its block dimensions are
+        read, so any basis of the same structure gives the same answer).
+      l2_norm_clips: c2_j per block (principal blocks, then the residual),
+        e.g. from ``split_l2_budget``; never from private statistics.
+      linf_norm_clips: None or c_inf_j (or None) per block.
+      target_epsilon, delta, steps, example_sampling_rate,
+      coordinate_sampling_rate, orders, conversion: as in
+        ``optimize_block_noise``.
+
+    Raises:
+      ValueError: wrong lengths, bad arguments or an unreachable target.
+    """
+    if not isinstance(basis, basis_lib.HybridBasis):
+        raise ValueError('basis must be a tf_twice HybridBasis; got '
+                         f'{type(basis).__name__}.')
+    dims = basis.block_dimensions
+    clips = list(l2_norm_clips)
+    if len(clips) != len(dims):
+        raise ValueError(
+            f'l2_norm_clips must have one value per block of the basis '
+            f'({len(dims)}: principal blocks, then the residual); got '
+            f'{len(clips)}.')
+    if linf_norm_clips is None:
+        linf = [None] * len(dims)
+    else:
+        linf = list(linf_norm_clips)
+        if len(linf) != len(dims):
+            raise ValueError(
+                f'linf_norm_clips must be None or have one value per block '
+                f'({len(dims)}); got {len(linf)}.')
+    return accounting.optimize_block_noise(
+        target_epsilon=target_epsilon, delta=delta, steps=steps,
+        example_sampling_rate=example_sampling_rate,
+        coordinate_sampling_rate=coordinate_sampling_rate,
+        l2_norm_clips=clips, linf_norm_clips=linf, ranks=dims,
+        orders=orders, conversion=conversion)
