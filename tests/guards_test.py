@@ -172,19 +172,6 @@ def test_poisson_rate_mismatch_fails_even_when_not_strict():
         guards.check_poisson_input(_poisson(), strict='yes')
 
 
-def test_normalization():
-    assert guards.check_normalization('expected') == 'expected'
-    assert guards.check_normalization('expected_batch_size') == (
-        'expected_batch_size')
-    for realised in ('realized', 'realised', 'batch_size', 'actual'):
-        with pytest.raises(ValueError, match='realised batch size'):
-            guards.check_normalization(realised)
-    with pytest.raises(ValueError, match='must be one of'):
-        guards.check_normalization('median')
-    with pytest.raises(ValueError, match='must be one of'):
-        guards.check_normalization(None)
-
-
 # --- the ledger's event against the model's parameters ----------------------
 
 PARAMS = dict(l2_norm_clip=1.0, linf_norm_clip=0.25, noise_multiplier=1.1,

@@ -9,7 +9,6 @@ from tf_twice.keras.guards import NonPoissonInputWarning
 from tf_twice.keras.guards import check_event_matches
 from tf_twice.keras.guards import check_event_matches_model
 from tf_twice.keras.guards import check_no_batch_norm
-from tf_twice.keras.guards import check_normalization
 from tf_twice.keras.guards import check_per_example_loss
 from tf_twice.keras.guards import check_poisson_input
 from tf_twice.keras.guards import dp_event_from_params

@@ -44,11 +44,9 @@ from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import basis as basis_lib
 
 __all__ = [
-    'ALLOWED_NORMALIZATIONS',
     'NonPoissonInputWarning',
     'check_event_matches',
     'check_event_matches_model',
-    'check_normalization',
     'check_no_batch_norm',
     'check_per_example_loss',
     'check_poisson_input',
@@ -61,14 +59,6 @@ __all__ = [
 # Relative tolerance when comparing an event's parameters with the model's:
 # only float round-off (e.g. of q1 = B / n) is forgiven.
 _REL_TOL = 1e-9
-
-# Values of a "normalize by" setting that keep the guarantee: the expected
-# number of contributions per coordinate, n * q1 * q2 (SPEC section 4).
-ALLOWED_NORMALIZATIONS = ('expected', 'expected_batch_size')
-_REALISED = ('realized', 'realised', 'realized_batch_size',
-             'realised_batch_size', 'actual', 'actual_batch_size',
-             'batch_size', 'batch', 'mean', 'num_examples', 'sampled')
-
 
 class NonPoissonInputWarning(UserWarning):
     """Training data is not Poisson-sampled; the reported epsilon is void."""
@@ -274,38 +264,6 @@ def check_poisson_input(dataset: Any, *,
             f'{info.example_sampling_rate!r} but the accountant uses '
             f'{example_sampling_rate!r}; they must be equal.')
     return info
-
-
-def check_normalization(normalization: str) -> str:
-    """Refuses normalising the noisy sum by the realised batch size.
-
-    The update must be the noisy sum divided by the expected number of
-    contributions per coordinate, n * q1 * q2 (an unbiased estimate of the
-    mean clipped gradient). Dividing by the realised batch size publishes a
-    data-dependent quantity (how many examples were sampled) that the
-    accountant does not charge for.
-
-    Args:
-      normalization: one of `ALLOWED_NORMALIZATIONS` ('expected',
-        'expected_batch_size').
-
-    Returns:
-      The accepted value.
-
-    Raises:
-      ValueError: for realised-size normalisation or any other value.
-    """
-    value = normalization.lower() if isinstance(normalization, str) else None
-    if value in ALLOWED_NORMALIZATIONS:
-        return normalization
-    if value in _REALISED:
-        raise ValueError(
-            f'normalization={normalization!r} divides by the realised batch '
-            'size, which depends on which examples were sampled and is not '
-            'covered by the privacy accounting. Use one of '
-            f'{ALLOWED_NORMALIZATIONS} (divide by n * q1 * q2).')
-    raise ValueError(f'normalization must be one of {ALLOWED_NORMALIZATIONS}; '
-                     f'got {normalization!r}.')
 
 
 # --- the accountant's event against the mechanism that runs ----------------
