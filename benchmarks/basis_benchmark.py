@@ -34,6 +34,7 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
+from tf_twice import models  # noqa: E402
 from tf_twice.mechanism import basis as basis_lib  # noqa: E402
 
 IMAGE_SHAPE = (32, 32, 3)
@@ -43,16 +44,8 @@ RESNET22_DIM = 291898
 
 
 def reference_model() -> tf.keras.Model:
-    return tf.keras.Sequential([
-        tf.keras.layers.Conv2D(16, 3, activation='relu',
-                               input_shape=IMAGE_SHAPE),
-        tf.keras.layers.MaxPool2D(),
-        tf.keras.layers.Conv2D(32, 3, activation='relu'),
-        tf.keras.layers.MaxPool2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation='relu'),
-        tf.keras.layers.Dense(NUM_CLASSES),
-    ])
+    """The benchmarks' reference CNN (79,530 parameters on 32x32x3)."""
+    return models.small_cnn(IMAGE_SHAPE, NUM_CLASSES)
 
 
 def scaled_ranks(k: int):

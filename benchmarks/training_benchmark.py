@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 from tensorflow_privacy.privacy.optimizers import (  # noqa: E402
     dp_optimizer_keras_vectorized as tfp_vectorized)
 
+from tf_twice import models  # noqa: E402
 from tf_twice.keras import make_private  # noqa: E402
 from tf_twice.optimizers import TwiceSamplingDPKerasSGDOptimizer  # noqa: E402
 
@@ -51,16 +52,8 @@ L2_CLIP, LINF_CLIP, NOISE = 1.0, 0.1, 1.0
 
 
 def reference_model() -> tf.keras.Model:
-    return tf.keras.Sequential([
-        tf.keras.layers.Conv2D(16, 3, activation='relu',
-                               input_shape=IMAGE_SHAPE),
-        tf.keras.layers.MaxPool2D(),
-        tf.keras.layers.Conv2D(32, 3, activation='relu'),
-        tf.keras.layers.MaxPool2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation='relu'),
-        tf.keras.layers.Dense(NUM_CLASSES),
-    ])
+    """The benchmarks' reference CNN (79,530 parameters on 32x32x3)."""
+    return models.small_cnn(IMAGE_SHAPE, NUM_CLASSES)
 
 
 def _loss(per_example: bool):
