@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import tiny_models
+
 from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
@@ -13,31 +15,17 @@ from tf_twice.keras import DPModel, PrivacyLedger, make_private
 from tf_twice.keras import guards
 from tf_twice.mechanism import aggregation as agg
 
-NUM_FEATURES, NUM_CLASSES = 4, 3
+NUM_FEATURES, NUM_CLASSES = tiny_models.NUM_FEATURES, tiny_models.NUM_CLASSES
 
 
 def _data(batch, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, NUM_FEATURES)).astype(np.float32)
-    y = rng.integers(0, NUM_CLASSES, batch)
-    return x, y
+    return tiny_models.data(batch, seed)
 
 
-def _mlp(seed=0):
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([
-        tf.keras.layers.Dense(5, activation='tanh',
-                              input_shape=(NUM_FEATURES,)),
-        tf.keras.layers.Dense(NUM_CLASSES),
-    ])
+_mlp = tiny_models.mlp
 
 
-def _linear(seed=0):
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([
-        tf.keras.layers.Dense(NUM_CLASSES, input_shape=(NUM_FEATURES,),
-                              kernel_initializer='random_normal',
-                              bias_initializer='random_normal')])
+_linear = tiny_models.linear
 
 
 def _loss(**kwargs):

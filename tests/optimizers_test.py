@@ -3,37 +3,26 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from tests import tiny_models
 from tensorflow_privacy.privacy.optimizers import (
     dp_optimizer_keras_vectorized as tfp_vectorized)
 
 from tf_twice import optimizers
 from tf_twice.mechanism import aggregation as agg
 
-NUM_FEATURES, NUM_CLASSES, BATCH = 4, 3, 6
+NUM_FEATURES, NUM_CLASSES = tiny_models.NUM_FEATURES, tiny_models.NUM_CLASSES
+BATCH = 6
 
 
 def _data(batch=BATCH, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, NUM_FEATURES)).astype(np.float32)
-    y = rng.integers(0, NUM_CLASSES, batch)
-    return x, y
+    return tiny_models.data(batch, seed)
 
 
-def _mlp(seed=0):
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([
-        tf.keras.layers.Dense(5, activation='tanh',
-                              input_shape=(NUM_FEATURES,)),
-        tf.keras.layers.Dense(NUM_CLASSES),
-    ])
+_mlp = tiny_models.mlp
 
 
-def _linear(seed=0):
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([
-        tf.keras.layers.Dense(NUM_CLASSES, input_shape=(NUM_FEATURES,),
-                              kernel_initializer='random_normal',
-                              bias_initializer='random_normal')])
+_linear = tiny_models.linear
 
 
 def _vector_loss():
