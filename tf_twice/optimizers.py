@@ -94,7 +94,7 @@ def make_twice_sampling_optimizer_class(
         base = tfp_vectorized.make_vectorized_keras_optimizer_class(cls)
     class_name = f'TwiceSamplingDPKeras{cls.__name__}Optimizer'
 
-    class TwiceSamplingOptimizer(base):  # pylint: disable=missing-docstring
+    class TwiceSamplingOptimizer(hybrid.BasisHolder, base):  # pylint: disable=missing-docstring
         __doc__ = f"""DP-SGD with twice sampling on top of `{cls.__name__}`.
 
         Each step releases, for its batch, the sum over examples of the
@@ -218,26 +218,6 @@ def make_twice_sampling_optimizer_class(
         def dp_generator(self) -> tf.random.Generator:
             """The generator of the per-step mask and noise keys."""
             return self._dp_generator
-
-        @property
-        def basis(self) -> Optional[basis_lib.HybridBasis]:
-            """The hybrid-clipping basis the next step uses, or None."""
-            holder = self._basis_variables
-            return None if holder is None else holder.basis
-
-        def set_basis(self, basis: basis_lib.HybridBasis) -> None:
-            """Uses ``basis`` (same structure) from the next step on,
-            without retracing (e.g. ``BasisRefresh(on_refresh=...)``).
-
-            Raises:
-              ValueError: no basis at construction, or another structure.
-            """
-            if self._basis_variables is None:
-                raise ValueError(
-                    'set_basis needs an optimizer built with basis=...: its '
-                    'blocks and per-block parameters are fixed at '
-                    'construction.')
-            self._basis_variables.assign(basis)
 
         def _create_slots(self, var_list):
             super()._create_slots(var_list)

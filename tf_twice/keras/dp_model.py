@@ -156,7 +156,7 @@ def _chunked(t: tf.Tensor, chunk: int) -> tf.Tensor:
 
 
 @tf.keras.utils.register_keras_serializable(package='tf_twice')
-class DPModel(tf.keras.Model):
+class DPModel(hybrid.BasisHolder, tf.keras.Model):
     """Wraps a Keras model so that ``fit`` runs twice-sampling DP-SGD.
 
     Compile it with a plain Keras optimizer (e.g. ``tf.keras.optimizers.SGD``)
@@ -268,30 +268,6 @@ class DPModel(tf.keras.Model):
         ``model.dp_generator.reset_from_seed(<new seed>)`` after restoring.
         """
         return self._dp_generator
-
-    @property
-    def basis(self) -> Optional[basis_lib.HybridBasis]:
-        """The hybrid-clipping basis the next step uses (None: one block)."""
-        holder = self._basis_variables
-        return None if holder is None else holder.basis
-
-    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
-        """Uses ``basis`` from the next step on, without retracing.
-
-        Assigns its matrices to the fixed-shape variables the traced step
-        reads. Usable as ``BasisRefresh(..., on_refresh=model.set_basis)``.
-        The basis must come from public data and the current model only.
-
-        Raises:
-          ValueError: the model was built without a basis, or ``basis`` has
-            another structure (groups, variable shapes, per-group ranks)
-            than the current one (the step's DpEvent would change).
-        """
-        if self._basis_variables is None:
-            raise ValueError(
-                'set_basis needs a DPModel built with basis=...: its blocks '
-                'and per-block parameters are fixed at construction.')
-        self._basis_variables.assign(basis)
 
     def dp_event(self, num_examples: int) -> TwiceSampledGaussianDpEvent:
         """The DpEvent of one ``train_step`` on n = ``num_examples`` examples.

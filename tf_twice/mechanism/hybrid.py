@@ -164,6 +164,39 @@ class BasisVariables:
         self._basis = basis
 
 
+class BasisHolder:
+    """``basis`` and ``set_basis`` for a training path (the fast path's model
+    or an optimizer) whose hybrid basis lives in ``self._basis_variables``
+    (a ``BasisVariables``, or None for one block)."""
+
+    _basis_variables: Optional[BasisVariables]
+
+    @property
+    def basis(self) -> Optional[basis_lib.HybridBasis]:
+        """The hybrid-clipping basis the next step uses (None: one block)."""
+        holder = self._basis_variables
+        return None if holder is None else holder.basis
+
+    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
+        """Uses ``basis`` from the next step on, without retracing.
+
+        Assigns its matrices to the fixed-shape variables the traced step
+        reads. Usable as ``BasisRefresh(..., on_refresh=holder.set_basis)``.
+        The basis must come from public data and the current model only.
+
+        Raises:
+          ValueError: built without a basis, or ``basis`` has another
+            structure (groups, variable shapes, per-group ranks) than the
+            current one (the step's DpEvent would change).
+        """
+        if self._basis_variables is None:
+            raise ValueError(
+                f'set_basis needs a {type(self).__name__} built with '
+                'basis=...: its blocks and per-block parameters are fixed at '
+                'construction.')
+        self._basis_variables.assign(basis)
+
+
 def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
                       basis: Optional[basis_lib.HybridBasis] = None,
                       matrices: Optional[Sequence[tf.Variable]] = None
