@@ -164,13 +164,13 @@ def make_twice_sampling_optimizer_class(
                 (keyword only).
               **kwargs: passed on to ``{cls.__name__}`` (learning_rate...).
             """
-            self._params = aggregation.AggregationParams(
+            self._params = hybrid.block_params(
+                basis,
                 l2_norm_clip=l2_norm_clip,
                 noise_multiplier=noise_multiplier,
                 expected_batch_size=expected_batch_size,
                 linf_norm_clip=linf_norm_clip,
                 coordinate_sampling_rate=coordinate_sampling_rate)
-            hybrid.check_block_params(self._params, basis)
             if num_microbatches is not None and (
                     isinstance(num_microbatches, bool)
                     or not isinstance(num_microbatches, int)

@@ -227,13 +227,13 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
                 'physical_batch_size must be an integer >= 1, got '
                 f'{physical_batch_size!r}.')
         self.inner_model = model
-        self.dp_params = aggregation.AggregationParams(
+        self.dp_params = hybrid.block_params(
+            basis,
             l2_norm_clip=l2_norm_clip,
             noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size,
             linf_norm_clip=linf_norm_clip,
             coordinate_sampling_rate=coordinate_sampling_rate)
-        hybrid.check_block_params(self.dp_params, basis)
         if basis is not None and model.built:
             hybrid.check_basis_matches_variables(basis,
                                                  model.trainable_variables)

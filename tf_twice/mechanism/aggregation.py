@@ -580,6 +580,16 @@ def _sum_block(
     return sums
 
 
+def _validate_each_block(**per_block_values: list) -> None:
+    """``validate_params`` on block j's values of each named argument; the
+    error names the block."""
+    for j, values in enumerate(zip(*per_block_values.values())):
+        try:
+            validate_params(**dict(zip(per_block_values, values)))
+        except ValueError as err:
+            raise ValueError(f'block {j}: {err}') from err
+
+
 def _per_block(name: str, values, num_blocks: int) -> list:
     """A per-block argument as a list of length ``num_blocks``."""
     if values is None:
@@ -666,11 +676,7 @@ def clipped_masked_block_sums(
     num_blocks = len(blocks)
     clips = _per_block('l2_norm_clips', l2_norm_clips, num_blocks)
     linf = _per_block('linf_norm_clips', linf_norm_clips, num_blocks)
-    for j in range(num_blocks):
-        try:
-            validate_params(l2_norm_clip=clips[j], linf_norm_clip=linf[j])
-        except ValueError as err:
-            raise ValueError(f'block {j}: {err}') from err
+    _validate_each_block(l2_norm_clip=clips, linf_norm_clip=linf)
     validate_params(coordinate_sampling_rate=coordinate_sampling_rate)
     dtype = blocks[0][0].dtype
     if masks is not None:
@@ -810,11 +816,7 @@ def add_block_noise_and_normalize(
         raise ValueError('block_sums must hold at least one block.')
     clips = _per_block('l2_norm_clips', l2_norm_clips, num_blocks)
     zs = _per_block('noise_multipliers', noise_multipliers, num_blocks)
-    for j in range(num_blocks):
-        try:
-            validate_params(l2_norm_clip=clips[j], noise_multiplier=zs[j])
-        except ValueError as err:
-            raise ValueError(f'block {j}: {err}') from err
+    _validate_each_block(l2_norm_clip=clips, noise_multiplier=zs)
     validate_params(coordinate_sampling_rate=coordinate_sampling_rate,
                     expected_batch_size=expected_batch_size)
     if noise is not None:

@@ -57,6 +57,18 @@ __all__ = [
 BlockSums = List[List[tf.Tensor]]
 
 
+def block_params(basis: Optional[basis_lib.HybridBasis],
+                 **params) -> aggregation.AggregationParams:
+    """``AggregationParams(**params)``, checked to fit ``basis``.
+
+    The one place both training paths turn their clipping, sampling and
+    noise arguments into validated per-block parameters.
+    """
+    result = aggregation.AggregationParams(**params)
+    check_block_params(result, basis)
+    return result
+
+
 def check_block_params(params: aggregation.AggregationParams,
                        basis: Optional[basis_lib.HybridBasis]) -> None:
     """Refuses per-block parameters that do not fit ``basis``.
