@@ -1,5 +1,6 @@
 """Tests of the one-step RDP of twice sampling against independent numbers."""
 
+import functools
 import math
 
 from dp_accounting.rdp import rdp_privacy_accountant
@@ -8,6 +9,8 @@ import numpy as np
 from numpy.polynomial import hermite_e
 import pytest
 
+from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import twice_sampling_rdp
 from tf_twice.accounting.rdp import MAX_ORDER
 
@@ -241,6 +244,116 @@ def test_large_orders_stay_finite():
         coordinate_sampling_rate=0.5, noise_multiplier=0.3,
         linf_norm_clip=0.2)
     assert np.all(np.isfinite(values)) and np.all(values > 0)
+
+
+# ---------------------------------------------------------------------------
+# The same formula in 100-digit arithmetic, at extreme d0, q1 and q2.
+#
+# With d0 = (c2/c_inf)^2 = 1e8..1e30, M(v, a) - 1 is ~1e-9..1e-31 and is then
+# multiplied by n = floor(d0); with q1 = 1e-6 the outer sum is 1 + O(1e-12).
+# Both need more digits than a float has, unless nothing cancels.
+
+REFERENCE_ORDERS = (2, 3, 10, 64)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_log_moments(max_order, q2, z, c2, cinf):
+    """mpmath L(v) = n log M(v, a_inf) + log M(v, a_last), v = 0..max_order.
+
+    d0, n = floor(d0) and c'^2 = c2^2 - n c_inf^2 are exact here (remark after
+    [COORD]), from the same float inputs.
+    """
+    mp = mpmath.mp
+    q2, z, c2, cinf = (mpmath.mpf(x) for x in (q2, z, c2, cinf))
+    n = mpmath.floor((c2 / cinf) ** 2)
+    two_sigma2 = 2 * (z * c2) ** 2
+    a_inf, a_last = cinf ** 2 / two_sigma2, (c2 ** 2 - n * cinf ** 2) / two_sigma2
+
+    def log_m(v, a):
+        return mpmath.log(mp.fsum(
+            mpmath.binomial(v, l) * (1 - q2) ** (v - l) * q2 ** l
+            * mpmath.exp(l * (l - 1) * a) for l in range(v + 1)))
+
+    return tuple(n * log_m(v, a_inf) + log_m(v, a_last)
+                 for v in range(max_order + 1))
+
+
+def _reference_rdp(orders, q1, q2, z, c2, cinf):
+    """mpmath eps(alpha) of [TWICE] for integer orders, as floats."""
+    with mpmath.workdps(100):
+        log_moments = _reference_log_moments(max(orders), q2, z, c2, cinf)
+        q1 = mpmath.mpf(q1)
+        rdp = [mpmath.log(mpmath.mp.fsum(
+            mpmath.binomial(alpha, v) * (1 - q1) ** (alpha - v) * q1 ** v
+            * mpmath.exp(log_moments[v]) for v in range(alpha + 1)))
+               / (alpha - 1) for alpha in orders]
+        return np.array([float(x) for x in rdp])
+
+
+# c2 with c_inf = 1: d0 = 1e8, 1e12, 1e16 exactly; ~1e19 (past int64);
+# ~1e30; and a d0 of 152,415,765.279... with a remainder coordinate.
+EXTREME_L2_CLIPS = (1e4, 1e6, 1e8, math.sqrt(1e19), 1e15, 12345.678)
+
+
+@pytest.mark.parametrize('c2', EXTREME_L2_CLIPS)
+@pytest.mark.parametrize('q1', [1e-6, 0.5, 1.0])
+@pytest.mark.parametrize('q2', [1e-6, 0.5, 1.0])
+def test_extreme_d0_matches_high_precision_reference(c2, q1, q2):
+    ours = twice_sampling_rdp(
+        REFERENCE_ORDERS, example_sampling_rate=q1,
+        coordinate_sampling_rate=q2, noise_multiplier=1.0, l2_norm_clip=c2,
+        linf_norm_clip=1.0)
+    reference = _reference_rdp(REFERENCE_ORDERS, q1, q2, 1.0, c2, 1.0)
+    np.testing.assert_allclose(ours, reference, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize('d0', [1.0, 2.5, 100.0])
+@pytest.mark.parametrize('q2', [1e-6, 0.5, 1.0])
+def test_small_noise_and_large_orders_match_high_precision_reference(d0, q2):
+    # a = c_inf^2/(2 sigma^2) = 50/d0: exp(l(l-1)a) overflows a float for
+    # l >= 16 at every d0 here.
+    orders = (2, 17, 128)
+    for q1 in (1e-6, 0.5, 1.0):  # One reference L(v) serves all three.
+        ours = twice_sampling_rdp(
+            orders, example_sampling_rate=q1, coordinate_sampling_rate=q2,
+            noise_multiplier=0.1, l2_norm_clip=1.0,
+            linf_norm_clip=1.0 / math.sqrt(d0))
+        reference = _reference_rdp(orders, q1, q2, 0.1, 1.0,
+                                   1.0 / math.sqrt(d0))
+        np.testing.assert_allclose(ours, reference, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize('c2', [1e4, 1e8, 1e15])
+def test_extreme_d0_epsilon_matches_high_precision_reference(c2):
+    # The accountant's epsilon after T steps against dp_accounting's own
+    # conversion of the reference RDP.
+    q1, q2, steps, delta = 0.01, 0.5, 10_000, 1e-5
+    accountant = TwiceSamplingRdpAccountant(orders=REFERENCE_ORDERS)
+    accountant.compose(TwiceSampledGaussianDpEvent(q1, q2, 1.0, c2, 1.0),
+                       steps)
+    reference, _ = rdp_privacy_accountant.compute_epsilon(
+        np.array(REFERENCE_ORDERS, dtype=float),
+        steps * _reference_rdp(REFERENCE_ORDERS, q1, q2, 1.0, c2, 1.0), delta)
+    assert accountant.get_epsilon(delta) == pytest.approx(reference, rel=1e-9)
+
+
+@pytest.mark.parametrize('c2,dimension', [
+    (1e4, 30), (1e4, 1000), (1e8, 1000), (1e15, 30), (1e15, 10 ** 20)])
+def test_block_dimension_below_d0_is_that_many_coordinates(c2, dimension):
+    # r < d0 = c2^2: the worst case is r coordinates at c_inf and nothing
+    # else, i.e. the block with c2 = sqrt(r) c_inf under the same noise std.
+    sigma, cinf = 3.0, 1.0
+    kwargs = dict(example_sampling_rate=0.01, coordinate_sampling_rate=0.5,
+                  linf_norm_clip=cinf)
+    capped = twice_sampling_rdp(
+        REFERENCE_ORDERS, noise_multiplier=sigma / c2, l2_norm_clip=c2,
+        block_dimensions=dimension, **kwargs)
+    c2_of_r = math.sqrt(dimension) * cinf
+    same = twice_sampling_rdp(
+        REFERENCE_ORDERS, noise_multiplier=sigma / c2_of_r,
+        l2_norm_clip=c2_of_r, **kwargs)
+    np.testing.assert_allclose(capped, same, rtol=1e-12)
+    assert np.all(np.isfinite(capped)) and np.all(capped > 0)
 
 
 # ---------------------------------------------------------------------------

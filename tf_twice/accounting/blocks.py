@@ -179,4 +179,6 @@ class Blocks:
         if self.dimensions is not None and self.dimensions[j] <= n:
             return self.dimensions[j], 0.0
         # Rounding n up above is sound: n * c_inf^2 >= c2^2 then.
-        return n, math.sqrt(max(c2 * c2 - n * cinf * cinf, 0.0))
+        # c'^2 = c2^2 - n c_inf^2 = c_inf^2 (d0 - n): the right-hand form
+        # avoids cancelling two numbers of size c2^2 when n is huge.
+        return n, cinf * math.sqrt(max(d0 - n, 0.0))

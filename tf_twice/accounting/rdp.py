@@ -24,7 +24,9 @@ P = N(0, sigma^2 I), Q = (1-q1) P + q1 prod_l [(1-q2) N(0) + q2 N(s_l)]
 (expand ((1-q1) + q1 prod_l Q_l/P)^alpha and use independence across
 coordinates), so it is exact, not a bound. A fractional order uses the next
 integer order: Renyi divergence is non-decreasing in the order, so that is a
-sound upper bound. Everything is computed in log space, for all orders at once.
+sound upper bound. Everything is computed in log space, for all orders at once;
+both sums are binomial means of exp(x), x >= 0, taken as log1p of a mean of
+expm1(x) so that values near 1 (huge d0, tiny q1 or q2) keep their digits.
 """
 
 from __future__ import annotations
@@ -74,9 +76,31 @@ def _log_binomial_weights(v_max: int, rate: float) -> np.ndarray:
 
 
 def _row_logsumexp(x: np.ndarray) -> np.ndarray:
-    """log(sum(exp(x), axis=1)) for rows holding at least one finite entry."""
+    """log(sum(exp(x), axis=1)); -inf for a row that is all -inf."""
     row_max = x.max(axis=1, keepdims=True)
-    return np.log(np.exp(x - row_max).sum(axis=1)) + row_max[:, 0]
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    with np.errstate(divide='ignore'):
+        return np.log(np.exp(x - row_max).sum(axis=1)) + row_max[:, 0]
+
+
+def _log_expm1(x: np.ndarray) -> np.ndarray:
+    """log(exp(x) - 1) for x >= 0: -inf at 0, no overflow for large x."""
+    with np.errstate(divide='ignore'):
+        return np.where(x < 1.0, np.log(np.expm1(np.minimum(x, 1.0))),
+                        x + np.log1p(-np.exp(-np.maximum(x, 1.0))))
+
+
+def _log_mean_exp(log_weights: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """log(sum_l w_l exp(x_l)) per row of `log_weights`, for pmf rows, x >= 0.
+
+    As the rows sum to 1, this is log1p(sum_l w_l expm1(x_l)) (every term
+    >= 0), evaluated as logaddexp(0, logsumexp(log w + log expm1(x))). A plain
+    logsumexp computes 1 + S and loses S when S is far below 1 (huge d0, tiny
+    q1 or q2): |error| ~ 1e-16 absolute, then multiplied by n = floor(d0).
+    In log space, S keeps full relative precision and large x cannot overflow.
+    """
+    return np.logaddexp(0.0, _row_logsumexp(log_weights
+                                            + _log_expm1(x)[None, :]))
 
 
 def _log_coordinate_moments(max_order: int, rate: float,
@@ -87,8 +111,9 @@ def _log_coordinate_moments(max_order: int, rate: float,
         return np.zeros(max_order + 1)
     if rate == 1.0:  # No coordinate sampling: the Gaussian's exp(v(v-1)a).
         return v * (v - 1.0) * a
-    return _row_logsumexp(_log_binomial_weights(max_order, rate)
-                          + (v * (v - 1.0) * a)[None, :])
+    # M(v, a) = E_{l ~ Binomial(v, rate)} exp(l(l-1) a).
+    return _log_mean_exp(_log_binomial_weights(max_order, rate),
+                         v * (v - 1.0) * a)
 
 
 def check_orders(orders: Union[float, Sequence[float]]) -> np.ndarray:
@@ -116,7 +141,8 @@ def log_moments_of_coordinate_sampling(
         n, c_last = blocks.worst_case_coordinates(j)
         sigma = blocks.noise_multipliers[j] * blocks.l2_norm_clips[j]
         a_inf = blocks.linf_norm_clips[j] ** 2 / (2.0 * sigma * sigma)
-        total += n * _log_coordinate_moments(
+        # float(n): n = floor(d0) may exceed int64 (d0 ~ 1e19 and above).
+        total += float(n) * _log_coordinate_moments(
             max_order, coordinate_sampling_rate, a_inf)
         total += _log_coordinate_moments(
             max_order, coordinate_sampling_rate,
@@ -134,11 +160,11 @@ def rdp_of_blocks(orders: np.ndarray, example_sampling_rate: float,
 
     log_moments = log_moments_of_coordinate_sampling(
         max_order, coordinate_sampling_rate, blocks)
-    # Rows alpha of the Binomial(alpha, q1) pmf, columns v = 0..max_order.
+    # Rows alpha of the Binomial(alpha, q1) pmf, columns v = 0..max_order;
+    # L(v) >= 0 (M(v, a) >= 1), and the sum is 1 + O(q1^2) for tiny q1.
     log_weights = _log_binomial_weights(max_order, example_sampling_rate)
-    log_sums = _row_logsumexp(log_weights[unique_orders]
-                              + log_moments[None, :])
-    rdp = np.maximum(log_sums, 0.0) / (unique_orders - 1.0)
+    log_sums = _log_mean_exp(log_weights[unique_orders], log_moments)
+    rdp = log_sums / (unique_orders - 1.0)
     return rdp[positions]
 
 
