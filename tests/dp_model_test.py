@@ -50,11 +50,7 @@ def _assert_all_close(a_list, b_list, **kwargs):
         np.testing.assert_allclose(a, b, **kwargs)
 
 
-def _twin_key(generator):
-    # Generator.from_state on the variable itself would share it; copy it.
-    twin = tf.random.Generator.from_state(generator.state.numpy(),
-                                          generator.algorithm)
-    return agg.draw_step_key(twin)
+_next_key = tiny_models.next_step_key
 
 
 DP = dict(l2_norm_clip=0.6, linf_norm_clip=0.15, noise_multiplier=1.0,
@@ -62,18 +58,40 @@ DP = dict(l2_norm_clip=0.6, linf_norm_clip=0.15, noise_multiplier=1.0,
 
 
 @pytest.mark.parametrize('physical_batch_size', [8, 3])
-def test_fast_path_equals_optimizer_path(physical_batch_size):
+def test_dp_optimizer_runs_the_same_step_as_the_models_mechanism(
+        physical_batch_size):
     x, y = _data(8)
-    reference = _mlp()
-    reference.compile(
+    via_optimizer = make_private(_mlp(),
+                                 physical_batch_size=physical_batch_size)
+    via_optimizer.compile(
         optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
             learning_rate=0.3, **DP),
-        loss=_loss(reduction=tf.keras.losses.Reduction.NONE))
-    reference.train_on_batch(x, y)
+        loss=_loss())
+    tiny_models.one_step(via_optimizer, x, y)
     dp = _private(_mlp(), physical_batch_size=physical_batch_size, **DP)
-    dp.train_on_batch(x, y)
+    tiny_models.one_step(dp, x, y)
     assert not np.allclose(_weights(dp)[0], _weights(_mlp())[0])
-    _assert_all_close(_weights(dp), _weights(reference))
+    _assert_all_close(_weights(dp), _weights(via_optimizer))
+    assert via_optimizer.dp_event(24) == dp.dp_event(24)
+
+
+def test_plain_model_with_dp_optimizer_is_refused_before_any_step():
+    model = _mlp()
+    initial = _weights(model)
+    model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        learning_rate=0.3, **DP),
+        loss=_loss(reduction=tf.keras.losses.Reduction.NONE))
+    with pytest.raises(ValueError, match='make_private'):
+        model.fit(*_data(8), batch_size=8, epochs=1, verbose=0)
+    _assert_all_close(_weights(model), initial, rtol=0, atol=0)
+    with pytest.raises(ValueError, match='make_private'):
+        PrivacyLedger.for_model(model, num_examples=24, delta=DELTA)
+
+
+def test_train_on_batch_is_refused():
+    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    with pytest.raises(ValueError, match='record_steps'):
+        dp.train_on_batch(*_data(4))
 
 
 def _numpy_step(w, b, x, y, weights, masks, noise, c2, c_inf, z, exp_batch,
@@ -99,12 +117,12 @@ def test_whole_step_matches_numpy_reference():
     weights = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)
     dp = _private(_linear(), physical_batch_size=3, **DP)
     w0, b0 = _weights(dp)
-    key = _twin_key(dp.dp_generator)
+    key = _next_key(dp)
     shapes = [w0.shape, b0.shape]
     masks = [m.numpy() for m in agg.coordinate_masks(key, shapes, 0.5, 7)]
     noise = [e.numpy() for e in agg.standard_normal_noise(
         key, shapes, [tf.float32] * 2)]
-    dp.train_on_batch(x, y, sample_weight=weights)
+    tiny_models.one_step(dp, x, y, sample_weight=weights)
     want = _numpy_step(w0, b0, x, y, weights, masks, noise, 0.6, 0.15, 1.0,
                        6.0, 0.5, 0.3)
     _assert_all_close(_weights(dp), want)
@@ -115,7 +133,7 @@ def test_microbatching_does_not_change_the_update():
     results = []
     for physical in (3, 16):  # 4 chunks (2 rows padding) vs 1 chunk
         dp = _private(_mlp(), physical_batch_size=physical, **DP)
-        dp.train_on_batch(x, y)
+        tiny_models.one_step(dp, x, y)
         results.append(_weights(dp))
     for other in results[1:]:
         _assert_all_close(results[0], other)
@@ -124,15 +142,15 @@ def test_microbatching_does_not_change_the_update():
 def test_empty_logical_batch_is_a_pure_noise_step():
     dp = _private(_mlp(), physical_batch_size=4, **DP)
     initial = _weights(dp)
-    key = _twin_key(dp.dp_generator)
+    key = _next_key(dp)
     noise = agg.standard_normal_noise(
         key, [w.shape for w in initial], [tf.float32] * len(initial))
     empty = (np.zeros((0, NUM_FEATURES), np.float32), np.zeros((0,), np.int64))
-    logs = dp.train_on_batch(*empty, return_dict=True)
+    logs = tiny_models.one_step(dp, *empty)
     scale = 0.3 * 1.0 * 0.6 / (6.0 * 0.5)  # lr * z * c2 / (B_exp * q2)
     want = [w - scale * e.numpy() for w, e in zip(initial, noise)]
     _assert_all_close(_weights(dp), want)
-    assert logs['loss'] == 0.0
+    assert logs['nonprivate_loss'] == 0.0
 
 
 def test_no_retracing_for_new_batch_sizes():
@@ -157,7 +175,7 @@ def test_no_retracing_for_new_batch_sizes():
     # optimizer's); the count must not grow with the number of batch sizes.
     first = len(traces)
     assert first <= 2
-    assert np.all(np.isfinite(history.history['loss']))
+    assert np.all(np.isfinite(history.history['nonprivate_loss']))
     sizes[:] = [1, 7, 2, 0, 8, 6]
     dp.fit(dataset, epochs=1, verbose=0)
     assert len(traces) == first
@@ -174,10 +192,10 @@ def test_metrics_are_over_real_examples():
     want_loss = per_example[real].mean()
     want_acc = (logits.argmax(1) == y)[real].mean()
     dp = _private(model, physical_batch_size=4, metrics=['accuracy'], **DP)
-    logs = dp.train_on_batch(x, y, sample_weight=weights, return_dict=True)
-    np.testing.assert_allclose(logs['loss'], want_loss, rtol=1e-5)
-    np.testing.assert_allclose(logs['accuracy'], want_acc, rtol=1e-6)
-    assert set(logs) == {'loss', 'accuracy'}
+    logs = tiny_models.one_step(dp, x, y, sample_weight=weights)
+    np.testing.assert_allclose(logs['nonprivate_loss'], want_loss, rtol=1e-5)
+    np.testing.assert_allclose(logs['nonprivate_accuracy'], want_acc, rtol=1e-6)
+    assert set(logs) == {'nonprivate_loss', 'nonprivate_accuracy'}
     evaluated = dp.evaluate(x, y, verbose=0, return_dict=True)
     assert set(evaluated) == {'loss', 'accuracy'}
 
@@ -188,10 +206,10 @@ def test_non_finite_example_is_dropped():
     poisoned[3, 0] = np.inf
     dp_kwargs = dict(DP, noise_multiplier=0.0)
     dp = _private(_mlp(), physical_batch_size=4, **dp_kwargs)
-    dp.train_on_batch(poisoned, y)
+    tiny_models.one_step(dp, poisoned, y)
     # The same batch with example 3 given weight 0 has the same masks.
     ref = _private(_mlp(), physical_batch_size=4, **dp_kwargs)
-    ref.train_on_batch(x, y, sample_weight=np.array([1, 1, 1, 0, 1, 1]))
+    tiny_models.one_step(ref, x, y, sample_weight=np.array([1, 1, 1, 0, 1, 1]))
     assert all(np.all(np.isfinite(w)) for w in _weights(dp))
     _assert_all_close(_weights(dp), _weights(ref))
 
@@ -200,7 +218,7 @@ def test_weights_above_one_are_refused():
     x, y = _data(4)
     dp = _private(_mlp(), physical_batch_size=4, **DP)
     with pytest.raises(tf.errors.InvalidArgumentError, match='in \\[0, 1\\]'):
-        dp.train_on_batch(x, y, sample_weight=np.array([1, 2, 1, 1]))
+        tiny_models.one_step(dp, x, y, sample_weight=np.array([1, 2, 1, 1]))
 
 
 def test_batch_norm_is_refused():
@@ -213,12 +231,18 @@ def test_batch_norm_is_refused():
         make_private(outer, physical_batch_size=4, **DP)
 
 
-def test_dp_optimizer_is_refused():
+def test_mechanism_is_given_exactly_once():
     dp = make_private(_mlp(), physical_batch_size=4, **DP)
-    with pytest.raises(ValueError, match='plain Keras optimizer'):
+    with pytest.raises(ValueError, match='already has its DP mechanism'):
         dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
             l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4),
             loss=_loss())
+    bare = make_private(_mlp(), physical_batch_size=4)
+    with pytest.raises(ValueError, match='no DP mechanism'):
+        bare.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=_loss())
+    with pytest.raises(ValueError, match='expected_batch_size'):
+        make_private(_mlp(), physical_batch_size=4, l2_norm_clip=1.0,
+                     noise_multiplier=1.0)
 
 
 @pytest.mark.parametrize('kwargs, name', [
@@ -241,8 +265,9 @@ def test_config_round_trip_and_weights():
     clone = DPModel.from_config(config)
     assert clone.get_config()['physical_batch_size'] == 4
     for key in ('l2_norm_clip', 'linf_norm_clip', 'noise_multiplier',
-                'coordinate_sampling_rate', 'expected_batch_size', 'seed'):
+                'coordinate_sampling_rate', 'expected_batch_size'):
         assert clone.get_config()[key] == config[key]
+    assert 'seed' not in config
 
 
 # --- accounting: dp_event and the fit guards --------------------------------
@@ -342,42 +367,6 @@ def test_fit_without_ledger_trains_on_arrays():
     assert int(dp.optimizer.iterations) == 2
     with pytest.raises(ValueError, match='allow_non_poisson_input'):
         dp.fit(*_data(12), verbose=0, allow_non_poisson_input='yes')
-
-
-def _generator_state(dp):
-    return dp.dp_generator.state.numpy().copy()
-
-
-def test_generator_checkpoints_with_the_weights(tmp_path):
-    x, y = _data(6)
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
-    dp.train_on_batch(x, y)
-    path = str(tmp_path / 'tf_format' / 'ckpt')
-    dp.save_weights(path)
-    saved = _generator_state(dp)
-    names = [name for name, _ in tf.train.list_variables(path)]
-    assert any(name.startswith('_dp_generator/') for name in names)
-    dp.train_on_batch(x, y)
-    # A fresh model with the same seed starts at the seed's first key.
-    fresh = _private(_mlp(), physical_batch_size=4, **DP)
-    assert not np.array_equal(_generator_state(fresh), saved)
-    fresh.load_weights(path)
-    np.testing.assert_array_equal(_generator_state(fresh), saved)
-
-
-def test_load_weights_without_generator_reseeds(tmp_path):
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
-    dp.train_on_batch(*_data(6))
-    path = str(tmp_path / 'weights.h5')
-    dp.save_weights(path)
-    fresh = _private(_mlp(), physical_batch_size=4, **DP)
-    fresh(_data(1)[0])  # HDF5 weights load into a built model only.
-    seed_state = _generator_state(fresh)
-    fresh.load_weights(path)
-    _assert_all_close(_weights(fresh), _weights(dp), rtol=0, atol=0)
-    # Not the seed's first keys again, which the saved run already used.
-    assert not np.array_equal(_generator_state(fresh), seed_state)
-
 
 
 def test_dp_model_without_basis_has_no_basis_state():

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tf_twice import optimizers
+from tf_twice.keras import make_private
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.keras import guards
@@ -249,12 +250,12 @@ def test_dp_event_from_params():
         guards.dp_event_from_params(PARAMS, N)
 
 
-def _compiled(num_microbatches=None):
-    model = _dense()
+def _compiled():
+    """A make_private wrapper compiled with a tf_twice DP optimizer."""
+    model = make_private(_dense(), physical_batch_size=4)
     optimizer = optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        num_microbatches=num_microbatches, learning_rate=0.1, **PARAMS)
-    model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError(
-        reduction=tf.keras.losses.Reduction.NONE))
+        learning_rate=0.1, **PARAMS)
+    model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError())
     return model
 
 
@@ -277,9 +278,12 @@ def test_model_dp_params_of_optimizer_and_plain_models():
         guards.check_event_matches_model(_event(block_dimensions=33), model)
 
 
-def test_microbatched_optimizer_is_refused():
-    with pytest.raises(ValueError, match='num_microbatches=4'):
-        guards.model_dp_params(_compiled(num_microbatches=4))
+def test_plain_model_with_dp_optimizer_is_refused():
+    model = _dense()
+    model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        learning_rate=0.1, **PARAMS), loss='mse')
+    with pytest.raises(ValueError, match='not isolated.*make_private'):
+        guards.model_dp_params(model)
 
 
 # --- several blocks (hybrid clipping) ---------------------------------------

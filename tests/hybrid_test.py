@@ -279,14 +279,14 @@ def _fast(basis, physical_batch_size=8, model=None, **changes):
 def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
     basis = _basis()
     x, y = _data(8, seed=2)
-    reference = _mlp()
+    reference = make_private(_mlp(), physical_batch_size=physical_batch_size)
     reference.compile(
         optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
             learning_rate=0.3, basis=basis, **HYBRID),
-        loss=_loss(reduction=tf.keras.losses.Reduction.NONE))
-    reference.train_on_batch(x, y)
+        loss=_loss())
+    tiny_models.one_step(reference, x, y)
     dp = _fast(basis, physical_batch_size)
-    dp.train_on_batch(x, y)
+    tiny_models.one_step(dp, x, y)
     assert not np.allclose(_weights(dp)[0], _weights(_mlp())[0])
     _assert_all_close(_weights(dp), _weights(reference))
     # And the basis matters: without it (one block) the step differs.
@@ -294,7 +294,7 @@ def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
                          noise_multiplier=1.0, expected_batch_size=6.0,
                          coordinate_sampling_rate=0.5, seed=17)
     plain.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
-    plain.train_on_batch(x, y)
+    tiny_models.one_step(plain, x, y)
     assert not np.allclose(_weights(plain)[0], _weights(dp)[0])
 
 
@@ -304,7 +304,7 @@ def test_microbatching_does_not_change_the_hybrid_update():
     results = []
     for physical in (3, 16):  # 4 chunks (2 rows of padding) vs 1 chunk
         dp = _fast(basis, physical)
-        dp.train_on_batch(x, y)
+        tiny_models.one_step(dp, x, y)
         results.append(_weights(dp))
     _assert_all_close(results[0], results[1])
 
@@ -324,20 +324,20 @@ def test_set_basis_takes_effect_without_retracing():
     dp = CountingDPModel(_mlp(), basis=first, physical_batch_size=4,
                          **HYBRID)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
-    dp.train_on_batch(x, y)
+    tiny_models.one_step(dp, x, y)
     count = len(traces)
-    weights, state = _weights(dp), dp.dp_generator.state.numpy().copy()
+    weights, state = _weights(dp), dp.aggregator.keys.get_state()
     dp.set_basis(second)
     assert dp.basis is second
-    dp.train_on_batch(x, y)
+    tiny_models.one_step(dp, x, y)
     assert len(traces) == count
     # The step used the new basis: a model built with it from the same
     # weights and generator state takes the same step.
     ref = _fast(second, 4)
     for v, w in zip(ref.inner_model.trainable_variables, weights):
         v.assign(w)
-    ref.dp_generator.reset(state)
-    ref.train_on_batch(x, y)
+    ref.aggregator.keys.set_state(state)
+    tiny_models.one_step(ref, x, y)
     _assert_all_close(_weights(dp), _weights(ref))
     # The basis variables are neither weights nor in checkpoints.
     assert len(dp.weights) == len(dp.inner_model.weights)
@@ -458,10 +458,9 @@ def test_event_and_ledger_round_trip_with_a_basis(tmp_path):
     assert resumed.event == _event(basis)
     assert resumed.epsilon == pytest.approx(ledger.epsilon, rel=1e-12)
     # The optimizer path builds the same event.
-    model = _mlp()
+    model = make_private(_mlp(), physical_batch_size=4)
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        basis=basis, **HYBRID), loss=_loss(
-            reduction=tf.keras.losses.Reduction.NONE))
+        basis=basis, **HYBRID), loss=_loss())
     assert guards.model_dp_event(model, NUM_EXAMPLES) == _event(basis)
     assert guards.check_event_matches_model(_event(basis), model)
 

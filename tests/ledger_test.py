@@ -14,6 +14,7 @@ from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.keras import DPModel
+from tf_twice.keras import make_private
 from tf_twice.keras import ledger as ledger_lib
 from tf_twice.keras.ledger import PrivacyLedger
 
@@ -327,14 +328,21 @@ DP_PARAMS = dict(l2_norm_clip=1.0, linf_norm_clip=0.5, noise_multiplier=1.0,
                  coordinate_sampling_rate=0.5, expected_batch_size=16)
 
 
-def _dp_optimizer_model(num_microbatches=None, **changes):
-    model = _model()
-    params = dict(DP_PARAMS, **changes)
+def _dp_optimizer_model(**changes):
+    """The optimizer path: a make_private wrapper compiled with a tf_twice
+    DP optimizer, which carries the mechanism."""
+    model = make_private(_model(), physical_batch_size=8)
     model.compile(
         optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            learning_rate=0.1, num_microbatches=num_microbatches, seed=0,
-            **params),
-        loss=tf.keras.losses.MeanSquaredError(
+            learning_rate=0.1, seed=0, **dict(DP_PARAMS, **changes)),
+        loss=tf.keras.losses.MeanSquaredError())
+    return model
+
+
+def _plain_model_with_dp_optimizer():
+    model = _model()
+    model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        learning_rate=0.1, **DP_PARAMS), loss=tf.keras.losses.MeanSquaredError(
             reduction=tf.keras.losses.Reduction.NONE))
     return model
 
@@ -364,6 +372,7 @@ def test_for_model_builds_the_models_event(tmp_path):
 @pytest.mark.parametrize('make, kwargs, match', [
     (lambda: _model(), {}, 'DPModel'),  # A plain SGD optimizer.
     (lambda: _dp_optimizer_model(num_microbatches=4), {}, 'num_microbatches'),
+    (_plain_model_with_dp_optimizer, {}, 'make_private'),
     (_dp_model, dict(num_examples=15), 'num_examples'),
     (_dp_model, dict(delta=2.0), 'delta'),
 ])
@@ -384,10 +393,19 @@ def test_optimizer_path_is_accounted_and_checked():
         other.fit(_data(steps=2), callbacks=[PrivacyLedger(EVENT, DELTA)],
                   verbose=0)
     assert int(other.optimizer.iterations) == 0
-    micro = _dp_optimizer_model(num_microbatches=4)
-    with pytest.raises(ValueError, match='num_microbatches'):
-        micro.fit(_data(steps=2), callbacks=[PrivacyLedger(EVENT, DELTA)],
+    # Shuffled fixed-size batches and a wrong n are refused on this path too.
+    x, y = X, Y
+    with pytest.raises(ValueError, match='not Poisson sampling'):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64)
+                  .batch(8), callbacks=[PrivacyLedger(EVENT, DELTA)],
                   verbose=0)
+    wrong_n = sampling.poisson_batches(
+        np.concatenate([x, x]), np.concatenate([y, y]),
+        physical_batch_size=8, expected_batch_size=16, steps=2)
+    with pytest.raises(ValueError, match='example_sampling_rate'):
+        model.fit(wrong_n, callbacks=[PrivacyLedger(EVENT, DELTA)],
+                  verbose=0)
+    assert int(model.optimizer.iterations) == 2
 
 
 def test_ledger_alone_checks_a_dp_model():

@@ -45,16 +45,34 @@ callbacks it refuses input that is not Poisson-sampled and a ledger event
 that differs from the model's parameters (``guards``), so the ledger's
 epsilon is for the training that runs.
 
-Checkpoints: the mask and noise generator (``dp_generator``) is part of the
-model's TensorFlow checkpoint (``save_weights`` in the TF format,
-``tf.train.Checkpoint``, ``BackupAndRestore``), so a restored run continues
-its random stream instead of replaying it. Files without it (``.h5``,
-``.keras``) reseed the generator from fresh OS entropy on ``load_weights``.
+Secrets: the step keys that determine every mask and all noise live in the
+model's ``PrivateAggregator`` and are never part of a model artifact (TF
+checkpoints, ``.weights.h5``, ``.h5``, ``.keras``, SavedModel,
+``get_config``): whoever holds an artifact cannot recompute the noise. A new
+process draws fresh keys from OS entropy; a seeded model whose weights are
+restored (``load_weights``, a checkpoint restore, ``BackupAndRestore``) is
+reseeded from OS entropy before its first step, so a resumed run never
+replays noise. A bit-reproducible seeded run instead saves and loads its
+stream in a separate, SECRET file (``save_random_state`` /
+``load_random_state``).
+
+Distribution: under a ``tf.distribute`` strategy (e.g. ``MirroredStrategy``
+over several GPUs; build and compile the model in ``strategy.scope()``), each
+replica clips and masks its share of a logical batch with masks keyed by the
+example's global position, the shares' sums are added by the optimizer's
+cross-replica sum and the noise is added once per logical batch: the update
+equals the single-device one for any number of replicas.
+
+Optimizer path: compiling a DPModel with a tf_twice DP optimizer (e.g.
+``TwiceSamplingDPKerasSGDOptimizer``) takes the mechanism from the optimizer
+and runs it here, on per-example gradients computed in isolation.
+
+Training metrics: the loss and metrics of ``fit`` are computed on the
+private batch without noise; their keys carry the prefix ``nonprivate_``
+(e.g. ``nonprivate_loss``) so that nobody mistakes them for released values.
 """
 
 import logging
-import os
-import secrets
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import tensorflow as tf
@@ -63,14 +81,15 @@ from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.keras import guards
 from tf_twice.keras import ledger as ledger_lib
 from tf_twice.mechanism import aggregation
+from tf_twice.mechanism import aggregator as aggregator_lib
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
 
 __all__ = ['DPModel', 'make_private']
 
 _LOGGER = logging.getLogger(__name__)
-# Prefix of the generator's entries in the model's checkpoint.
-_GENERATOR_CHECKPOINT_KEY = '_dp_generator/'
+# Training logs computed on private batches without noise carry this prefix.
+NONPRIVATE_PREFIX = 'nonprivate_'
 
 
 def _per_example_loss_fn(loss: Any):
@@ -128,16 +147,6 @@ def _ledgers(callbacks: Any) -> List[ledger_lib.PrivacyLedger]:
             if isinstance(c, ledger_lib.PrivacyLedger)]
 
 
-def _checkpoint_has_generator(filepath: Any) -> bool:
-    """Whether a TF-format checkpoint at `filepath` holds a DP generator."""
-    try:
-        names = [name for name, _ in tf.train.list_variables(
-            os.fspath(filepath))]
-    except (tf.errors.OpError, ValueError, TypeError):
-        return False  # Not a TF checkpoint (.h5, .keras, SavedModel...).
-    return any(name.startswith(_GENERATOR_CHECKPOINT_KEY) for name in names)
-
-
 def _pad_rows(t: tf.Tensor, padded_size: tf.Tensor) -> tf.Tensor:
     rank = t.shape.rank
     if rank is None or rank == 0:
@@ -155,15 +164,45 @@ def _chunked(t: tf.Tensor, chunk: int) -> tf.Tensor:
     return out
 
 
+class _FreshKeysAfterRestore(tf.keras.callbacks.Callback):
+    """Reseeds a seeded model's fresh key stream that meets restored weights.
+
+    Runs last among ``fit``'s callbacks, so after ``BackupAndRestore`` (or any
+    callback) restored weights and optimizer in ``on_train_begin``.
+    """
+
+    def __init__(self, dp_model: 'DPModel') -> None:
+        super().__init__()
+        self._dp_model = dp_model
+
+    def on_train_begin(self, logs=None):
+        optimizer = self._dp_model.optimizer
+        steps = int(optimizer.iterations.numpy()) if optimizer is not None \
+            else 0
+        self._dp_model._reseed_if_restored(steps > 0)  # pylint: disable=protected-access
+
+
+def _with_callback(callbacks: Any, extra: tf.keras.callbacks.Callback):
+    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
+        callbacks.append(extra)
+        return callbacks
+    return list(tf.nest.flatten(callbacks or [])) + [extra]
+
+
+def _is_dp_optimizer(optimizer: Any) -> bool:
+    return isinstance(getattr(optimizer, 'aggregator', None),
+                      aggregator_lib.PrivateAggregator)
+
+
 @tf.keras.utils.register_keras_serializable(package='tf_twice')
-class DPModel(hybrid.BasisHolder, tf.keras.Model):
+class DPModel(tf.keras.Model):
     """Wraps a Keras model so that ``fit`` runs twice-sampling DP-SGD.
 
-    Compile it with a plain Keras optimizer (e.g. ``tf.keras.optimizers.SGD``)
-    and any per-example-capable loss; the noise is added here, not by the
-    optimizer. ``predict``/``evaluate`` act on the wrapped model;
-    ``save_weights`` (TF format) also saves the optimizer and the DP
-    generator state, so a restored run does not replay masks and noise.
+    Either give the mechanism here and compile with a plain Keras optimizer
+    (e.g. ``tf.keras.optimizers.SGD``), or give no mechanism arguments and
+    compile with a tf_twice DP optimizer, which then carries the mechanism.
+    The loss must be computable per example. ``predict``/``evaluate`` act on
+    the wrapped model.
 
     Guarantee: fed Poisson-sampled logical batches of n examples (one per
     step, ``tf_twice.sampling.poisson_batches``), each step is the
@@ -177,9 +216,9 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
         self,
         model: tf.keras.Model,
         *,
-        l2_norm_clip: Union[float, Sequence[float]],
-        noise_multiplier: Union[float, Sequence[float]],
-        expected_batch_size: float,
+        l2_norm_clip: Union[None, float, Sequence[float]] = None,
+        noise_multiplier: Union[None, float, Sequence[float]] = None,
+        expected_batch_size: Optional[float] = None,
         physical_batch_size: int,
         linf_norm_clip: Union[None, float, Sequence[Optional[float]]] = None,
         coordinate_sampling_rate: float = 1.0,
@@ -190,10 +229,13 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
         """Initialises the wrapper.
 
         Args:
-          model: the Keras model to train; must not contain batch norm.
+          model: the Keras model to train; no layer may mix examples.
           l2_norm_clip: c2 > 0, l2 bound of one example's gradient; with a
             basis, c2_j per block (principal blocks, then the residual),
             e.g. ``split_l2_budget(c, public_block_norms(basis, ...))``.
+            None (with ``noise_multiplier`` and ``expected_batch_size``):
+            the mechanism comes from the tf_twice DP optimizer given to
+            ``compile``.
           noise_multiplier: z >= 0; noise std per coordinate is z * c2. With
             a basis, z_j per block (e.g. ``hybrid_noise_multipliers``).
           expected_batch_size: n * q1 > 0; the update is divided by
@@ -203,8 +245,8 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
           linf_norm_clip: c_inf > 0 per coordinate after the l2 clip, or None;
             with a basis, None or c_inf_j (or None) per block.
           coordinate_sampling_rate: q2 in (0, 1], for every block.
-          seed: seed of the mask and noise generator; None is
-            non-deterministic.
+          seed: of the step keys (masks and noise), for experiments; None
+            (default) uses OS entropy. Never saved with the model.
           basis: None (one block), or a ``HybridBasis`` over the model's
             trainable variables learned from PUBLIC data only.
           **kwargs: passed to ``tf.keras.Model`` (e.g. ``name``).
@@ -227,27 +269,37 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
                 'physical_batch_size must be an integer >= 1, got '
                 f'{physical_batch_size!r}.')
         self.inner_model = model
-        self.dp_params = hybrid.block_params(
-            basis,
-            l2_norm_clip=l2_norm_clip,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=expected_batch_size,
-            linf_norm_clip=linf_norm_clip,
-            coordinate_sampling_rate=coordinate_sampling_rate)
-        if basis is not None and model.built:
-            hybrid.check_basis_matches_variables(basis,
-                                                 model.trainable_variables)
-        # A plain object: Keras does not track it, so the basis variables are
-        # neither weights nor checkpointed (see the module docstring).
-        self._basis_variables = (None if basis is None else
-                                 hybrid.BasisVariables(basis))
         self.physical_batch_size = physical_batch_size
-        self._seed = seed
-        if seed is None:
-            self._dp_generator = (
-                tf.random.Generator.from_non_deterministic_state())
-        else:
-            self._dp_generator = tf.random.Generator.from_seed(seed)
+        mechanism = {'l2_norm_clip': l2_norm_clip,
+                     'noise_multiplier': noise_multiplier,
+                     'expected_batch_size': expected_batch_size}
+        given = [name for name, value in mechanism.items()
+                 if value is not None]
+        # A plain attribute of a non-trackable object: Keras puts neither the
+        # step keys nor the basis into weights, checkpoints or configs.
+        self._own_aggregator = None
+        if given:
+            missing = sorted(set(mechanism) - set(given))
+            if missing:
+                raise ValueError(
+                    f'{", ".join(missing)} must be given with '
+                    f'{", ".join(given)} (or leave all three out and compile '
+                    'with a tf_twice DP optimizer).')
+            params = hybrid.block_params(
+                basis, linf_norm_clip=linf_norm_clip,
+                coordinate_sampling_rate=coordinate_sampling_rate,
+                **mechanism)
+            if basis is not None and model.built:
+                hybrid.check_basis_matches_variables(
+                    basis, model.trainable_variables)
+            self._own_aggregator = aggregator_lib.PrivateAggregator(
+                params, basis, seed)
+        elif basis is not None or seed is not None or linf_norm_clip \
+                is not None or coordinate_sampling_rate != 1.0:
+            raise ValueError(
+                'basis, seed, linf_norm_clip and coordinate_sampling_rate '
+                'need l2_norm_clip, noise_multiplier and expected_batch_size; '
+                'with a tf_twice DP optimizer give them to the optimizer.')
         # Not an attribute Keras tracks: the tracker's state must not show up
         # in ``weights`` or the saved weights of the wrapped model.
         object.__setattr__(self, '_loss_tracker',
@@ -255,19 +307,63 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
         self._example_loss = None
 
     @property
-    def dp_generator(self) -> tf.random.Generator:
-        """The generator of the per-step mask and noise keys.
+    def aggregator(self) -> Optional[aggregator_lib.PrivateAggregator]:
+        """The ``PrivateAggregator`` that runs the steps: the model's own, or
+        that of the tf_twice DP optimizer it is compiled with."""
+        if self._own_aggregator is not None:
+            return self._own_aggregator
+        optimizer = getattr(self, 'optimizer', None)
+        return optimizer.aggregator if _is_dp_optimizer(optimizer) else None
 
-        Tracked by the model's checkpoint (as ``_dp_generator``): restoring
-        a TF-format checkpoint rewinds it to the checkpoint's step.
-        Restoring after a crash therefore redraws the keys of the steps that
-        ran after the last checkpoint and were lost; that is harmless while
-        nothing those lost steps computed was released (their weights were
-        never saved). If it might have been (e.g. a callback exported the
-        weights after every step), call
-        ``model.dp_generator.reset_from_seed(<new seed>)`` after restoring.
+    def _require_aggregator(self) -> aggregator_lib.PrivateAggregator:
+        aggregator = self.aggregator
+        if aggregator is None:
+            raise ValueError(
+                'This DPModel has no DP mechanism yet: give l2_norm_clip, '
+                'noise_multiplier and expected_batch_size to make_private, '
+                'or compile it with a tf_twice DP optimizer.')
+        return aggregator
+
+    @property
+    def dp_params(self) -> Optional[aggregation.AggregationParams]:
+        """The validated clipping, sampling and noise parameters (None until
+        a model without its own mechanism is compiled)."""
+        aggregator = self.aggregator
+        return None if aggregator is None else aggregator.dp_params
+
+    @property
+    def basis(self) -> Optional[basis_lib.HybridBasis]:
+        """The hybrid-clipping basis the next step uses (None: one block)."""
+        aggregator = self.aggregator
+        return None if aggregator is None else aggregator.basis
+
+    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
+        """Uses ``basis`` from the next step on, without retracing
+        (``PrivateAggregator.set_basis``)."""
+        self._require_aggregator().set_basis(basis)
+
+    def save_random_state(self, path: str) -> None:
+        """Writes the SECRET state of the step keys to ``path``.
+
+        Only for bit-reproducible seeded experiments that must resume
+        exactly: anyone holding the file can recompute the noise of every
+        later step and subtract it from released weights. Keep it apart
+        from checkpoints and models, as secret as the training data.
         """
-        return self._dp_generator
+        self._require_aggregator().keys.save(path)
+
+    def load_random_state(self, path: str) -> None:
+        """Continues the step keys from a ``save_random_state`` file."""
+        self._require_aggregator().keys.load(path)
+
+    def _reseed_if_restored(self, restored: bool) -> None:
+        aggregator = self.aggregator
+        if restored and aggregator is not None and \
+                aggregator.keys.reseed_if_restored(True):
+            _LOGGER.warning(
+                'DPModel: a seeded model met restored weights; its step keys '
+                'were reseeded from OS entropy so that the seed\'s noise is '
+                'not replayed (load_random_state continues a saved stream).')
 
     def dp_event(self, num_examples: int) -> TwiceSampledGaussianDpEvent:
         """The DpEvent of one ``train_step`` on n = ``num_examples`` examples.
@@ -292,13 +388,38 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
 
     def compile(self, optimizer='rmsprop', loss=None, metrics=None,
                 **kwargs):
-        if getattr(optimizer, '_was_dp_gradients_called', None) is not None:
+        if _is_dp_optimizer(optimizer):
+            if self._own_aggregator is not None:
+                raise ValueError(
+                    'This DPModel already has its DP mechanism (from '
+                    'make_private); compile it with a plain Keras optimizer, '
+                    f'not the DP optimizer {type(optimizer).__name__}, or '
+                    'build it without mechanism arguments.')
+            if getattr(optimizer, '_num_microbatches', None) is not None:
+                raise ValueError(
+                    f'{type(optimizer).__name__} uses num_microbatches='
+                    f'{optimizer._num_microbatches}: microbatched clipping '  # pylint: disable=protected-access
+                    'is not covered by the twice-sampling analysis; use '
+                    'num_microbatches=None (physical_batch_size splits '
+                    'large batches without changing the records).')
+        elif getattr(optimizer, '_was_dp_gradients_called',
+                     None) is not None:
             raise ValueError(
-                'DPModel adds the noise itself; compile it with a plain Keras '
-                f'optimizer, not the DP optimizer {type(optimizer).__name__}.')
+                f'{type(optimizer).__name__} is a DP optimizer whose '
+                'mechanism DPModel cannot run; compile with a plain Keras '
+                'optimizer or a tf_twice DP optimizer.')
+        elif self._own_aggregator is None:
+            raise ValueError(
+                'This DPModel has no DP mechanism: compile it with a tf_twice '
+                'DP optimizer, or give l2_norm_clip, noise_multiplier and '
+                'expected_batch_size to make_private.')
         self._example_loss = _per_example_loss_fn(loss)
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
+        basis = self.basis
+        if basis is not None and self.inner_model.built:
+            hybrid.check_basis_matches_variables(
+                basis, self.inner_model.trainable_variables)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto',
             callbacks=None, *args, allow_non_poisson_input: bool = False,
@@ -322,6 +443,11 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
         NOTHING IS ACCOUNTED: no epsilon holds unless the caller accounts
         the steps (and their sampling) by other means.
 
+        A seeded model whose weights were restored (by ``load_weights``
+        earlier, or by a callback such as ``BackupAndRestore`` at the start
+        of this ``fit``) reseeds its step keys from OS entropy before the
+        first step, unless ``load_random_state`` set them.
+
         Args:
           x, y, batch_size, epochs, verbose, callbacks, *args, **kwargs: as
             in ``tf.keras.Model.fit``.
@@ -336,6 +462,7 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
         if not isinstance(allow_non_poisson_input, bool):
             raise ValueError('allow_non_poisson_input must be True or False; '
                              f'got {allow_non_poisson_input!r}.')
+        self._require_aggregator()
         for ledger in _ledgers(callbacks):
             event = ledger.event
             info = guards.check_poisson_input(
@@ -346,29 +473,34 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
             guards.check_event_matches_model(
                 event, self,
                 num_examples=None if info is None else info.num_examples)
+        callbacks = _with_callback(callbacks, _FreshKeysAfterRestore(self))
         return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                            *args, **kwargs)
 
-    def load_weights(self, filepath, *args, **kwargs):
-        """``tf.keras.Model.load_weights``; never replays the DP generator.
+    def train_on_batch(self, *args, **kwargs):
+        """Refused: no ledger sees these steps and no check sees their input.
 
-        A TF-format checkpoint of a DPModel restores ``dp_generator`` with
-        the weights. Any other file (``.h5``, ``.keras``, a TF checkpoint
-        saved without it) leaves it where it is, and for a seeded
-        model that is the seed's first keys again: a resumed run would add
-        the same noise and masks as the first steps. So the generator is
-        then reseeded from fresh OS entropy (a warning says so when the
-        model was seeded).
+        Train with ``fit`` on ``tf_twice.sampling.poisson_batches`` and a
+        ``PrivacyLedger``; a custom loop calls ``train_step`` and charges
+        each step with ``PrivacyLedger.record_steps``.
+        """
+        raise ValueError(
+            'DPModel.train_on_batch is refused: its steps would be neither '
+            'accounted by a PrivacyLedger nor checked for Poisson input. Use '
+            'fit(poisson_batches(...), callbacks=[ledger]), or call '
+            'train_step in a custom loop and charge each step with '
+            'ledger.record_steps().')
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """``tf.keras.Model.load_weights``; never replays the step keys.
+
+        No weights file holds the step keys. A seeded model (whose fresh
+        stream would repeat the seed's first keys on top of weights that
+        already took steps) is reseeded from OS entropy here, unless
+        ``load_random_state`` set its stream.
         """
         status = super().load_weights(filepath, *args, **kwargs)
-        if not _checkpoint_has_generator(filepath):
-            self._dp_generator.reset_from_seed(secrets.randbits(63))
-            if self._seed is not None:
-                _LOGGER.warning(
-                    'DPModel.load_weights: %s holds no DP generator state '
-                    '(use the TF checkpoint format to keep it); reseeded the '
-                    'mask and noise generator from OS entropy so that the '
-                    'seed\'s keys are not replayed.', filepath)
+        self._reseed_if_restored(True)
         return status
 
     @property
@@ -403,7 +535,13 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
             training=False)
 
     def _per_example_gradients(self, x, y):
-        """Per-example gradients [P, *shape], losses [P], predictions."""
+        """Per-example gradients [P, *shape], losses [P], predictions.
+
+        Each example runs its own forward and backward pass (vectorized), so
+        its gradient depends on it alone: a NaN, inf or overflowing example
+        cannot reach another example's row, as it would through the
+        backward pass of one batched forward pass (0 * NaN = NaN).
+        """
         variables = self.inner_model.trainable_variables
 
         def one_example(args):
@@ -441,9 +579,17 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
             y_real, predictions,
             tf.boolean_mask(weights, real) if weighted else None)
 
+    def _apply_update(self, update, variables) -> None:
+        apply = getattr(self.optimizer, 'apply_private_update', None)
+        if apply is not None:  # A tf_twice DP optimizer.
+            apply(update, variables)
+        else:
+            self.optimizer.apply_gradients(zip(update, variables))
+
     def train_step(self, data):
         if self._example_loss is None:
             raise ValueError('DPModel must be compiled before training.')
+        aggregator = self._require_aggregator()
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if y is None:
             raise ValueError('DPModel.train_step needs targets y.')
@@ -463,37 +609,32 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
         y_chunks = to_chunks(y)
         w_chunks = to_chunks(weights)
 
-        params = self.dp_params
         variables = self.inner_model.trainable_variables
-        # The structure is fixed at trace time; the values are read from the
-        # basis variables at every step (set_basis needs no retracing).
-        basis = self.basis
-        matrices = None
-        if basis is not None:
-            hybrid.check_basis_matches_variables(basis, variables)
-            matrices = self._basis_variables.variables
-        key = aggregation.draw_step_key(self._dp_generator)
+        key = aggregator.begin()
+        # Masks are keyed by an example's position in the whole logical
+        # batch, also when replicas share it.
+        first_row = aggregator_lib.global_offset(size)
 
         def body(i, sums):
             xc = tf.nest.map_structure(lambda t: t[i], x_chunks)
             yc, wc = y_chunks[i], w_chunks[i]
             grads, losses, predictions = self._per_example_gradients(xc, yc)
-            chunk_sums = hybrid.block_sums(
-                grads, params, basis=basis, matrices=matrices, weights=wc,
-                key=key, example_offset=i * chunk)
+            sums = aggregator.accumulate(
+                sums, grads, variables, weights=wc, key=key,
+                example_offset=first_row + i * chunk)
             self._update_metrics(yc, predictions, losses, wc,
                                  sample_weight is not None)
-            return i + 1, [[s + c for s, c in zip(block, chunk_block)]
-                           for block, chunk_block in zip(sums, chunk_sums)]
+            return i + 1, sums
 
-        zeros = hybrid.zero_block_sums(variables, basis)
         _, sums = tf.while_loop(
-            lambda i, _: i < num_chunks, body, (tf.constant(0), zeros),
+            lambda i, _: i < num_chunks, body,
+            (tf.constant(0), aggregator.zero_sums(variables)),
             parallel_iterations=1)
-        update = hybrid.noisy_update(sums, params, basis=basis,
-                                     matrices=matrices, key=key)
-        self.optimizer.apply_gradients(zip(update, variables))
-        return {m.name: m.result() for m in self.metrics}
+        update = aggregator.finish(sums, key, variables)
+        self._apply_update(update, variables)
+        # Computed on the private batch without noise: not private.
+        return {f'{NONPRIVATE_PREFIX}{m.name}': m.result()
+                for m in self.metrics}
 
     def test_step(self, data):
         if self._example_loss is None:
@@ -508,13 +649,19 @@ class DPModel(hybrid.BasisHolder, tf.keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
     def get_config(self) -> Dict[str, Any]:
+        """The wrapped model and the mechanism's public parameters.
+
+        Holds no seed and no random state (see the module docstring). A
+        model compiled with a DP optimizer keeps its mechanism in the
+        optimizer's config.
+        """
         config = {
             'model': tf.keras.utils.serialize_keras_object(self.inner_model),
             'physical_batch_size': self.physical_batch_size,
-            'seed': self._seed,
             'name': self.name,
         }
-        config.update(self.dp_params.to_dict())
+        if self._own_aggregator is not None:
+            config.update(self._own_aggregator.dp_params.to_dict())
         return config
 
     @classmethod

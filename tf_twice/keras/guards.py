@@ -272,55 +272,43 @@ def check_poisson_input(dataset: Any, *,
 def model_dp_params(model: Any) -> Optional[aggregation.AggregationParams]:
     """The clipping, sampling and noise parameters of `model`'s DP steps.
 
-    Recognises `tf_twice.keras.DPModel` (its `dp_params`) and a Keras model
-    compiled with a tf_twice `TwiceSamplingDPKeras*Optimizer` (the
-    optimizer's `dp_params`).
+    Recognises `tf_twice.keras.DPModel` (its `dp_params`, its own or those
+    of the tf_twice DP optimizer it is compiled with).
 
     Returns:
-      The `AggregationParams`, or None when `model` is neither (a plain
-      Keras model, or one not compiled yet).
+      The `AggregationParams`, or None when `model` is not a DP model (a
+      plain Keras model, or a DPModel not compiled yet).
 
     Raises:
-      ValueError: the optimizer uses `num_microbatches`. Its records are
-        then microbatches of a variable-size Poisson batch: their number is
-        fixed, they are present at every step (so their sampling rate is not
-        expected_batch_size / n) and adding one example can shift the
-        membership of several of them, so neither the event of examples at
-        rate q1 nor tf_privacy's halved noise multiplier (sensitivity 2 * c2
-        for ONE changed record) bounds such a step.
+      ValueError: a plain Keras model compiled with a tf_twice DP optimizer.
+        Keras gives that optimizer only the loss of a batched forward pass,
+        whose per-example gradients are not isolated (one NaN record turns
+        every record's gradient into NaN), so its steps are not the
+        accounted mechanism; it must be wrapped with `make_private`.
     """
     params = getattr(model, 'dp_params', None)
     if isinstance(params, aggregation.AggregationParams):
         return params
     optimizer = getattr(model, 'optimizer', None)
-    params = getattr(optimizer, 'dp_params', None)
-    if not isinstance(params, aggregation.AggregationParams):
-        return None
-    num_microbatches = getattr(optimizer, '_num_microbatches', None)
-    if num_microbatches is not None:
+    if isinstance(getattr(optimizer, 'dp_params', None),
+                  aggregation.AggregationParams):
         raise ValueError(
-            f'The DP optimizer {type(optimizer).__name__} uses '
-            f'num_microbatches={num_microbatches}: its records are '
-            'microbatches of a variable-size Poisson batch, present at every '
-            'step, and one added example can shift several of them, so no '
-            'twice-sampling event (with or without tf_privacy\'s halved '
-            'noise multiplier) bounds its steps. Use num_microbatches=None, '
-            'or tf_twice.keras.DPModel, whose physical_batch_size splits '
-            'large batches without changing the records.')
-    return params
+            f'{type(model).__name__} is compiled with the DP optimizer '
+            f'{type(optimizer).__name__}, but Keras gives an optimizer only '
+            'the loss of a batched forward pass, whose per-example '
+            'gradients are not isolated. Wrap the model first: '
+            'model = tf_twice.keras.make_private(model, '
+            'physical_batch_size=...), then compile that with the optimizer.')
+    return None
 
 
 def model_basis(model: Any) -> Optional[basis_lib.HybridBasis]:
     """The hybrid-clipping basis of `model`'s DP steps, or None (one block).
 
-    Reads `DPModel.basis`, or the `basis` of the tf_twice DP optimizer the
-    model is compiled with.
+    Reads `DPModel.basis` (its own, or its DP optimizer's).
     """
-    for owner in (model, getattr(model, 'optimizer', None)):
-        basis = getattr(owner, 'basis', None)
-        if isinstance(basis, basis_lib.HybridBasis):
-            return basis
-    return None
+    basis = getattr(model, 'basis', None)
+    return basis if isinstance(basis, basis_lib.HybridBasis) else None
 
 
 def dp_event_from_params(

@@ -791,6 +791,7 @@ def add_block_noise_and_normalize(
     coordinate_sampling_rate: float = 1.0,
     key: Optional[tf.Tensor] = None,
     noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
+    noise_on_this_replica: Optional[tf.Tensor] = None,
 ) -> List[List[tf.Tensor]]:
     """Steps 5-6 on m blocks: N(0, (z_j c2_j)^2) per coordinate of block j,
     then division by expected_batch_size * q2.
@@ -807,6 +808,10 @@ def add_block_noise_and_normalize(
         Block j's noise comes from its own streams (``standard_normal_noise
         (..., block=j)``), independent of every other block's.
       noise: optional explicit N(0, 1) draws, ``noise[j][k]`` (for tests).
+      noise_on_this_replica: None (one device), or a boolean tensor that is
+        true on exactly one replica of a distributed step: the others
+        return their normalised sums without noise, so that the replicas'
+        SUM holds the noise once (``PrivateAggregator.finish``).
 
     Returns:
       ``update[j][k]``: the noisy normalised sums, one per input sum.
@@ -842,6 +847,10 @@ def add_block_noise_and_normalize(
                     f'{len(block_noise)}' + (f' in block {j}.'
                                              if num_blocks > 1 else '.'))
             std = zs[j] * clips[j]
+            if noise_on_this_replica is not None:
+                block_noise = [
+                    tf.where(noise_on_this_replica, e, tf.zeros_like(e))
+                    for e in block_noise]
             sums = [s + tf.cast(std, s.dtype) * tf.cast(e, s.dtype)
                     for s, e in zip(sums, block_noise)]
         out.append([s / tf.cast(denom, s.dtype) for s in sums])

@@ -285,7 +285,8 @@ def noisy_update(sums: BlockSums,
                  basis: Optional[basis_lib.HybridBasis] = None,
                  matrices: Optional[Sequence[tf.Variable]] = None,
                  key: Optional[tf.Tensor] = None,
-                 noise: Optional[Sequence[Sequence[tf.Tensor]]] = None
+                 noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
+                 add_noise: Optional[tf.Tensor] = None
                  ) -> List[tf.Tensor]:
     """Steps 5-6: per-block noise, normalisation, (U a~ + r~) per variable.
 
@@ -294,6 +295,8 @@ def noisy_update(sums: BlockSums,
       params, basis, matrices: as in ``block_sums``.
       key: the step key (block j's noise uses block j's streams).
       noise: optional explicit N(0, 1) draws ``noise[j][k]`` (for tests).
+      add_noise: None, or a boolean tensor true on exactly one replica of a
+        distributed step (``PrivateAggregator.finish``).
 
     Returns:
       The update, one tensor per trainable variable (in its shape).
@@ -306,7 +309,8 @@ def noisy_update(sums: BlockSums,
         expected_batch_size=params.expected_batch_size,
         coordinate_sampling_rate=params.coordinate_sampling_rate,
         key=key,
-        noise=noise)
+        noise=noise,
+        noise_on_this_replica=add_noise)
     if basis is None:
         return noisy[0]
     # Linear post-processing of the released pair.

@@ -1,0 +1,123 @@
+"""One record changes the released sum only through its own contribution.
+
+A record with a NaN, inf or huge (1e38: finite, but it overflows inside the
+network, e.g. through GroupNorm) feature, with sample weight 1 or 0, must
+leave every other record's clipped masked contribution unchanged, on both
+training paths (DPModel with its own mechanism, and DPModel compiled with a
+tf_twice DP optimizer), for the reference CNN and ResNet22. With noise 0 the
+update of a batch holding the bad record, minus the update of the same batch
+with that record's weight set to 0, is the bad record's own contribution:
+0 when its gradient is non-finite or its weight is 0, and of l2 norm at most
+lr * c2 / (B_exp * q2) otherwise. Per-example gradients from one batched
+forward pass fail this: 0 * NaN = NaN spreads the bad row to every row.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import tiny_models
+
+from tf_twice import models
+from tf_twice import optimizers
+from tf_twice.keras import make_private
+
+LR, C2, Q2, B_EXP = 1.0, 0.01, 0.5, 4.0
+# Noise 0: not private, it isolates the clipped masked sum for the test.
+MECHANISM = dict(l2_norm_clip=C2, noise_multiplier=0.0, linf_norm_clip=None,
+                 coordinate_sampling_rate=Q2, expected_batch_size=B_EXP,
+                 seed=5)
+BAD_ROW = 2
+BAD_VALUES = {'nan': np.nan, 'inf': np.inf, 'huge': 1e38}
+
+
+def _private(inner, path):
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if path == 'model':
+        dp = make_private(inner, physical_batch_size=3, **MECHANISM)
+        dp.compile(optimizer=tf.keras.optimizers.SGD(LR), loss=loss)
+    else:
+        dp = make_private(inner, physical_batch_size=3)
+        dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            learning_rate=LR, **MECHANISM), loss=loss)
+    return dp
+
+
+def _update(dp, initial, x, y, w):
+    """The weight change of one noiseless step from ``initial``, with the
+    same step key (so the same masks) every time."""
+    dp.set_weights(initial)
+    dp.aggregator.keys.set_state(_KEY_STATE)
+    tiny_models.one_step(dp, x, y, w)
+    return np.concatenate([(a - b).ravel() for a, b in
+                           zip(dp.get_weights(), initial)])
+
+
+_KEY_STATE = {'format': 'tf_twice.SecretRandomState', 'version': 1,
+              'algorithm': 1, 'state': [0, 0, 12345]}
+
+
+def _check_isolation(dp, x, y):
+    initial = dp.get_weights()
+    weights = np.ones(len(x), np.float32)
+    without_bad = weights.copy()
+    without_bad[BAD_ROW] = 0.0
+    reference = _update(dp, initial, x, y, without_bad)
+    # The clean rows really move the weights, by more than one record could.
+    assert np.linalg.norm(reference) > LR * C2 / (B_EXP * Q2)
+    own_bound = LR * C2 / (B_EXP * Q2) * (1 + 1e-4)
+    for name, value in BAD_VALUES.items():
+        bad_x = x.copy()
+        bad_x[BAD_ROW, 0, 0, 0] = value
+        # Weight 0: the record is padding, it contributes nothing at all.
+        np.testing.assert_allclose(
+            _update(dp, initial, bad_x, y, without_bad), reference,
+            rtol=1e-5, atol=1e-8, err_msg=f'{name} row with weight 0')
+        # Weight 1: only its own clipped contribution (none if non-finite).
+        got = _update(dp, initial, bad_x, y, weights)
+        assert np.all(np.isfinite(got)), name
+        own = got - reference
+        assert np.linalg.norm(own) <= own_bound, name
+        if name != 'huge':  # A non-finite gradient is dropped.
+            np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-8,
+                                       err_msg=f'{name} row with weight 1')
+
+
+def _images(n, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n,) + shape).astype(np.float32)
+    return x, rng.integers(0, 10, n)
+
+
+@pytest.mark.parametrize('path', ['model', 'optimizer'])
+def test_small_cnn_rows_are_isolated(path):
+    x, y = _images(7, (8, 8, 1))
+    inner = models.small_cnn((8, 8, 1), padding='same')
+    _check_isolation(_private(inner, path), x, y)
+
+
+@pytest.mark.parametrize('path', ['model', 'optimizer'])
+def test_resnet22_rows_are_isolated(path):
+    x, y = _images(4, (16, 16, 3))
+    inner = models.resnet22((16, 16, 3))
+    _check_isolation(_private(inner, path), x, y)
+
+
+def test_a_batched_jacobian_is_not_isolated():
+    # Why the optimizer path runs per example: tf_privacy's construction
+    # (a Jacobian of the per-example losses of ONE batched forward pass)
+    # turns every row non-finite when one input is NaN.
+    x, y = _images(4, (8, 8, 1))
+    x[BAD_ROW, 0, 0, 0] = np.nan
+    inner = models.small_cnn((8, 8, 1), padding='same')
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+    with tf.GradientTape() as tape:
+        losses = loss(y, inner(x, training=True))
+    jacobian = tape.jacobian(losses, inner.trainable_variables[0])
+    rows = tf.reshape(jacobian, [len(x), -1]).numpy()
+    assert not np.isfinite(rows).all(axis=1).any()
+
+
+if __name__ == '__main__':
+    raise SystemExit(pytest.main([__file__]))

@@ -1,0 +1,309 @@
+"""The private aggregator: the one owner of a DP step's secrets and steps.
+
+Every training path (``tf_twice.keras.DPModel``, alone or compiled with a
+tf_twice DP optimizer, and either under a ``tf.distribute`` strategy) runs one
+logical batch as
+
+    key = aggregator.begin()
+    sums = aggregator.zero_sums(variables)
+    for each physical microbatch (rows offset..offset+P-1 of the batch):
+        sums = aggregator.accumulate(sums, per_example_grads, weights, key,
+                                     example_offset=offset)
+    update = aggregator.finish(sums, key)
+
+on top of ``tf_twice.mechanism.hybrid`` (clip, mask, sum per block; noise
+and normalise). The aggregator owns the three things whose handling decides
+whether the accountant's epsilon holds:
+
+* **The step keys** (``StepKeys``): the Philox key of every logical step,
+  from which all masks and all noise are derived. Whoever knows them can
+  recompute the noise and subtract it, so they are NEVER part of a model
+  artifact: ``StepKeys`` is deliberately not trackable (no TF checkpoint,
+  SavedModel, ``.keras``, ``.h5`` or ``get_config`` can reach it), a new
+  process draws its keys from OS entropy, and a seeded stream that meets
+  restored weights is reseeded from OS entropy (``reseed_if_restored``).
+  Bit-reproducible seeded runs save and load the stream explicitly in a
+  separate, secret run-state file (``save``/``load``).
+* **Distribution**: under a ``tf.distribute`` strategy each replica clips and
+  masks its share of the logical batch. The key is drawn ONCE per logical
+  batch in cross-replica context and shared, masks are keyed by the global
+  position of an example in the logical batch (``global_offset``), and only
+  replica 0 adds noise; the optimizer's cross-replica SUM of the replicas'
+  updates is then exactly the single-device update, whatever the number of
+  replicas R (noise std is the calibrated one, not sqrt(R) times it).
+* **The basis** (``BasisVariables``, via ``hybrid.BasisHolder``): public,
+  not checkpointed, swapped without retracing.
+
+Guarantee: with Poisson-sampled logical batches at rate q1, each
+``begin``..``finish`` is one ``TwiceSampledGaussianDpEvent`` with this
+aggregator's parameters (per block with a basis); the update is
+post-processing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import tempfile
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from tf_twice.mechanism import aggregation
+from tf_twice.mechanism import basis as basis_lib
+from tf_twice.mechanism import hybrid
+
+__all__ = ['PrivateAggregator', 'StepKeys', 'RANDOM_STATE_FORMAT']
+
+RANDOM_STATE_FORMAT = 'tf_twice.SecretRandomState'
+_MAX_SEED = 2**63
+
+
+def _check_seed(seed) -> Optional[int]:
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not (
+            0 <= seed < _MAX_SEED):
+        raise ValueError(f'seed must be None or an integer in [0, 2**63); '
+                         f'got {seed!r}.')
+    return seed
+
+
+class StepKeys:
+    """The stream of per-step Philox keys; never part of a model artifact.
+
+    Not a ``tf.Module`` and not trackable, so Keras does not put it in
+    ``weights``, checkpoints, SavedModels or configs. The generator's state
+    variable is created outside any function graph; under a distribution
+    strategy keys are drawn in cross-replica context (``next_key``).
+
+    Args:
+      seed: None (default): keys from OS entropy, never reproducible. An
+        integer: a reproducible stream for experiments. A seeded stream is
+        reseeded from OS entropy when it meets restored weights without an
+        explicitly loaded run state (``reseed_if_restored``), so a resumed
+        run never replays the noise of the seed's first steps.
+    """
+
+    def __init__(self, seed: Optional[int] = None) -> None:
+        self._seed = _check_seed(seed)
+        with tf.init_scope():
+            if seed is None:
+                self._generator = (
+                    tf.random.Generator.from_non_deterministic_state())
+            else:
+                self._generator = tf.random.Generator.from_seed(seed)
+        self._initial_state = self._state_list()
+        # True once the stream was set from a run-state file or reseeded:
+        # then it is not the seed's fresh stream any more.
+        self._repositioned = False
+
+    def _state_list(self) -> List[int]:
+        return [int(v) for v in self._generator.state.numpy()]
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the stream started from a user seed."""
+        return self._seed is not None
+
+    def next_key(self) -> tf.Tensor:
+        """Draws the Philox key of one logical step (uint64, shape [1]).
+
+        In a replica context of a multi-replica strategy the key is drawn
+        once, in cross-replica context, and every replica gets the same one.
+        """
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            return context.merge_call(
+                lambda _: aggregation.draw_step_key(self._generator))
+        return aggregation.draw_step_key(self._generator)
+
+    def reseed_from_entropy(self) -> None:
+        """Moves the stream to a fresh state drawn from OS entropy."""
+        self._generator.reset_from_seed(secrets.randbelow(_MAX_SEED))
+        self._repositioned = True
+
+    def reseed_if_restored(self, steps_done: int) -> bool:
+        """Reseeds a fresh seeded stream that meets weights of a later step.
+
+        A seeded stream that has drawn no key in this process and whose
+        model has already taken ``steps_done`` > 0 steps (restored weights:
+        ``load_weights``, a checkpoint restore, ``BackupAndRestore``) would
+        replay the seed's first keys on top of noise already released.
+        Reseeding from OS entropy makes that impossible; load a secret run
+        state (``load``) to continue the seeded stream instead.
+
+        Returns:
+          Whether the stream was reseeded.
+        """
+        if (self._seed is None or self._repositioned or steps_done <= 0
+                or self._state_list() != self._initial_state):
+            return False
+        self.reseed_from_entropy()
+        return True
+
+    def get_state(self) -> dict:
+        """The stream's state: SECRET (it determines all future noise)."""
+        return {'format': RANDOM_STATE_FORMAT, 'version': 1,
+                'algorithm': int(self._generator.algorithm),
+                'state': self._state_list()}
+
+    def set_state(self, state: dict) -> None:
+        """Continues the stream from ``get_state()``'s output."""
+        if not isinstance(state, dict) or state.get(
+                'format') != RANDOM_STATE_FORMAT or state.get('version') != 1:
+            raise ValueError(
+                f'state must be a {RANDOM_STATE_FORMAT} version 1 dict (from '
+                'StepKeys.get_state or save_random_state); got '
+                f'{str(state)[:80]!r}.')
+        if state['algorithm'] != int(self._generator.algorithm):
+            raise ValueError(
+                f'state holds algorithm {state["algorithm"]}, this stream '
+                f'uses {int(self._generator.algorithm)}.')
+        values = state['state']
+        if (not isinstance(values, list) or len(values) != len(
+                self._initial_state) or not all(
+                    isinstance(v, int) for v in values)):
+            raise ValueError(f'state["state"] must be a list of '
+                             f'{len(self._initial_state)} integers.')
+        self._generator.state.assign(tf.constant(values, tf.int64))
+        self._repositioned = True
+
+    def save(self, path: str) -> None:
+        """Writes the SECRET run state to ``path`` (atomically, mode 0600).
+
+        Anyone holding this file can recompute the masks and noise of every
+        later step and subtract them from released weights: keep it as
+        secret as the training data, apart from checkpoints and models,
+        and delete it when the run is done.
+        """
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix='.random_state.')
+        try:
+            os.chmod(tmp, 0o600)
+            with os.fdopen(fd, 'w') as f:
+                json.dump(self.get_state(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    def load(self, path: str) -> None:
+        """Continues the stream from a file written by ``save``."""
+        with open(os.fspath(path)) as f:
+            self.set_state(json.load(f))
+
+
+def _replica_context():
+    """(replica id, number of replicas) of the current replica context."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None, 1
+    return context, context.num_replicas_in_sync
+
+
+def global_offset(local_size: tf.Tensor) -> tf.Tensor:
+    """Position in the logical batch of this replica's first row.
+
+    Replicas receive consecutive slices of each logical batch (in replica
+    order), so replica r starts after the rows of replicas 0..r-1. Keying
+    masks by this global position makes them independent of how many
+    replicas share the batch.
+    """
+    context, replicas = _replica_context()
+    if context is None:
+        return tf.constant(0, tf.int32)
+    rid = tf.cast(context.replica_id_in_sync_group, tf.int32)
+    one_hot = tf.one_hot(rid, replicas, dtype=tf.int32) * tf.cast(
+        local_size, tf.int32)
+    sizes = context.all_reduce(tf.distribute.ReduceOp.SUM, one_hot)
+    return tf.reduce_sum(sizes[:rid])
+
+
+class PrivateAggregator(hybrid.BasisHolder):
+    """Clips, masks, sums and noises per-example gradients of logical batches.
+
+    Args:
+      params: the step's validated ``AggregationParams`` (per-block tuples
+        with a basis).
+      basis: None (one block) or a ``HybridBasis`` learned from PUBLIC data.
+      seed: of the step keys (``StepKeys``); None uses OS entropy.
+    """
+
+    def __init__(self, params: aggregation.AggregationParams,
+                 basis: Optional[basis_lib.HybridBasis] = None,
+                 seed: Optional[int] = None) -> None:
+        if not isinstance(params, aggregation.AggregationParams):
+            raise ValueError('params must be AggregationParams; got '
+                             f'{type(params).__name__}.')
+        hybrid.check_block_params(params, basis)
+        self._params = params
+        # Untracked (see BasisVariables): the basis is not checkpointed.
+        self._basis_variables = (None if basis is None else
+                                 hybrid.BasisVariables(basis))
+        self._keys = StepKeys(seed)
+
+    @property
+    def dp_params(self) -> aggregation.AggregationParams:
+        """The validated clipping, sampling and noise parameters."""
+        return self._params
+
+    @property
+    def keys(self) -> StepKeys:
+        """The secret stream of step keys."""
+        return self._keys
+
+    def _basis_and_matrices(self, variables: Sequence[tf.Variable]):
+        basis = self.basis
+        if basis is None:
+            return None, None
+        hybrid.check_basis_matches_variables(basis, variables)
+        return basis, self._basis_variables.variables
+
+    def begin(self) -> tf.Tensor:
+        """Starts a logical batch: its key, shared by all replicas."""
+        return self._keys.next_key()
+
+    def zero_sums(self, variables: Sequence[tf.Variable]) -> hybrid.BlockSums:
+        """Zero accumulators in the layout ``accumulate`` returns."""
+        return hybrid.zero_block_sums(variables, self.basis)
+
+    def accumulate(self, sums: hybrid.BlockSums,
+                   per_example_grads: Sequence[tf.Tensor],
+                   variables: Sequence[tf.Variable], *, weights: tf.Tensor,
+                   key: tf.Tensor, example_offset) -> hybrid.BlockSums:
+        """Adds one physical microbatch's clipped masked sums to ``sums``.
+
+        ``example_offset`` is the global position of the microbatch's first
+        row in the logical batch (``global_offset`` plus the chunk offset).
+        Each row is an example computed in isolation: a non-finite row
+        contributes nothing and changes no other row.
+        """
+        basis, matrices = self._basis_and_matrices(variables)
+        chunk = hybrid.block_sums(per_example_grads, self._params,
+                                  basis=basis, matrices=matrices,
+                                  weights=weights, key=key,
+                                  example_offset=example_offset)
+        return [[s + c for s, c in zip(block, chunk_block)]
+                for block, chunk_block in zip(sums, chunk)]
+
+    def finish(self, sums: hybrid.BlockSums, key: tf.Tensor,
+               variables: Sequence[tf.Variable]) -> List[tf.Tensor]:
+        """Noise (once per logical batch) and normalisation: the update.
+
+        Under a multi-replica strategy only replica 0 adds noise; the
+        optimizer's cross-replica SUM of the replicas' updates adds the
+        clipped sums and keeps exactly one copy of the noise.
+        """
+        basis, matrices = self._basis_and_matrices(variables)
+        context, _ = _replica_context()
+        add_noise = (None if context is None else tf.equal(
+            context.replica_id_in_sync_group, 0))
+        return hybrid.noisy_update(sums, self._params, basis=basis,
+                                   matrices=matrices, key=key,
+                                   add_noise=add_noise)
