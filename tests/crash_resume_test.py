@@ -165,7 +165,10 @@ def test_resume_from_model_checkpoint(tmp_path):
     _check_no_replay(new_recorder.states_before, recorder)
 
 
-def test_resume_with_backup_and_restore(tmp_path):
+@pytest.mark.parametrize('ledger_first', [False, True])
+def test_resume_with_backup_and_restore(tmp_path, ledger_first):
+    # Any callback order charges exactly the steps that ran, also when the
+    # ledger's on_train_begin runs before BackupAndRestore restores.
     ledger_path = str(tmp_path / 'privacy_ledger.json')
     backup_dir = str(tmp_path / 'backup')
     backup = tf.keras.callbacks.BackupAndRestore(backup_dir,
@@ -187,9 +190,12 @@ def test_resume_with_backup_and_restore(tmp_path):
 
     after_restore = _AfterRestore()
     new_recorder = _Recorder()
-    dp.fit(_data(seed=2), epochs=2, verbose=0, callbacks=[
+    callbacks = [
         tf.keras.callbacks.BackupAndRestore(backup_dir, save_freq=SAVE_FREQ),
-        after_restore, new_recorder, resumed])
+        after_restore, new_recorder]
+    callbacks = [resumed] + callbacks if ledger_first else callbacks + [
+        resumed]
+    dp.fit(_data(seed=2), epochs=2, verbose=0, callbacks=callbacks)
 
     # (b) The backup after step LAST_CHECKPOINT was restored.
     assert after_restore.iterations == LAST_CHECKPOINT

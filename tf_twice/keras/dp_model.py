@@ -90,6 +90,8 @@ __all__ = ['DPModel', 'make_private']
 _LOGGER = logging.getLogger(__name__)
 # Training logs computed on private batches without noise carry this prefix.
 NONPRIVATE_PREFIX = 'nonprivate_'
+# Keys of a legacy optimizer's variables in the model's own .keras entry.
+_LEGACY_OPTIMIZER_KEY = 'legacy_optimizer_'
 
 
 def _per_example_loss_fn(loss: Any):
@@ -270,6 +272,9 @@ class DPModel(tf.keras.Model):
                 f'{physical_batch_size!r}.')
         self.inner_model = model
         self.physical_batch_size = physical_batch_size
+        # The wrapper has no weights of its own: it is built when the
+        # wrapped model is (so that saving and loading see its weights).
+        self.built = model.built
         mechanism = {'l2_norm_clip': l2_norm_clip,
                      'noise_multiplier': noise_multiplier,
                      'expected_batch_size': expected_batch_size}
@@ -421,6 +426,61 @@ class DPModel(tf.keras.Model):
             hybrid.check_basis_matches_variables(
                 basis, self.inner_model.trainable_variables)
 
+    def get_compile_config(self) -> Optional[Dict[str, Any]]:
+        """The arguments of ``compile`` (Keras's record of them), so that a
+        ``.keras`` file reloads compiled."""
+        return super().get_compile_config()
+
+    def compile_from_config(self, config: Dict[str, Any]) -> None:
+        """Compiles from ``get_compile_config()`` when a ``.keras`` file is
+        loaded, and creates the optimizer's variables so that its saved
+        state (step count, slots) is restored with the weights."""
+        self.compile(**tf.keras.utils.deserialize_keras_object(config))
+        if self.inner_model.built:
+            variables = self.inner_model.trainable_variables
+            build = getattr(self.optimizer, 'build', None)
+            if callable(build):
+                build(variables)
+            else:  # A legacy (Keras 2) optimizer, e.g. a tf_twice DP one.
+                self.optimizer._create_all_weights(variables)  # pylint: disable=protected-access
+
+    def _legacy_optimizer_weights(self) -> Optional[List[tf.Variable]]:
+        # Keras's .keras format saves only non-legacy optimizers; the state of
+        # a legacy one (the tf_twice DP optimizers) is saved here instead.
+        optimizer = getattr(self, 'optimizer', None)
+        if isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
+            return list(optimizer.weights)
+        return None
+
+    def save_own_variables(self, store) -> None:
+        super().save_own_variables(store)
+        weights = self._legacy_optimizer_weights()
+        for i, variable in enumerate(weights or []):
+            store[f'{_LEGACY_OPTIMIZER_KEY}{i}'] = variable.numpy()
+
+    def load_own_variables(self, store) -> None:
+        saved = sorted((k for k in store.keys()
+                        if k.startswith(_LEGACY_OPTIMIZER_KEY)),
+                       key=lambda k: int(k[len(_LEGACY_OPTIMIZER_KEY):]))
+        own = {k: store[k] for k in store.keys()
+               if not k.startswith(_LEGACY_OPTIMIZER_KEY)}
+        super().load_own_variables(own)
+        weights = self._legacy_optimizer_weights() or []
+        if saved and not weights and self._legacy_optimizer_weights() \
+                is not None and self.inner_model.built:
+            # Not trained yet in this process: create the state to restore.
+            self.optimizer._create_all_weights(  # pylint: disable=protected-access
+                self.inner_model.trainable_variables)
+            weights = self._legacy_optimizer_weights()
+        if len(saved) != len(weights):
+            raise ValueError(
+                f'The file holds {len(saved)} optimizer variables, the '
+                f'reloaded optimizer has {len(weights)}: it cannot resume '
+                'the saved optimizer state. Load the weights into a model '
+                'compiled as the saved one was.')
+        for key, variable in zip(saved, weights):
+            variable.assign(store[key])
+
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto',
             callbacks=None, *args, allow_non_poisson_input: bool = False,
             **kwargs):
@@ -533,6 +593,7 @@ class DPModel(tf.keras.Model):
             tf.nest.map_structure(
                 lambda t: tf.zeros([1] + t.shape[1:].as_list(), t.dtype), x),
             training=False)
+        self.built = True
 
     def _per_example_gradients(self, x, y):
         """Per-example gradients [P, *shape], losses [P], predictions.

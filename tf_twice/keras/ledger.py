@@ -651,9 +651,14 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         guards.check_event_matches_model(self._event, self.model)
         self._unblock()
         self._stopped_by_budget = False
-        self._counter_seen = self._read_counter() or 0
+        # The baseline is read before the first step, not here: a callback
+        # after this one (BackupAndRestore) may still restore the counter in
+        # its on_train_begin, and that jump is no step of this fit.
+        self._counter_seen = None
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._counter_seen is None:
+            self._counter_seen = self._read_counter() or 0
         k = self._steps_per_execution()
         self._begin_step = batch
         if not self.can_take(k):

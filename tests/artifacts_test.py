@@ -1,0 +1,201 @@
+"""No model artifact lets anyone predict a step's noise.
+
+Every artifact kind a Keras user writes (TF checkpoint, ``.weights.h5``,
+``.h5``, ``.keras``, SavedModel, ``get_config``, an optimizer checkpoint) is
+searched for the step-key stream's state; restores of one checkpoint must
+draw independent noise, a seeded model restored from any artifact must not
+replay the seed's noise, and only the explicit secret run-state file
+reproduces a seeded stream.
+"""
+
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import tiny_models
+
+from tf_twice import optimizers
+from tf_twice.keras import DPModel, make_private
+
+DP = dict(l2_norm_clip=0.5, noise_multiplier=1.0, linf_norm_clip=0.2,
+          coordinate_sampling_rate=0.5, expected_batch_size=4.0)
+SEED = 1234
+_EMPTY = (np.zeros((0, tiny_models.NUM_FEATURES), np.float32),
+          np.zeros((0,), np.int64))
+
+
+def _loss():
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _dp_model(seed=None, path='model', momentum=0.0):
+    # Momentum would carry earlier noise into the measured update.
+    if path == 'model':
+        dp = make_private(tiny_models.mlp(), physical_batch_size=4,
+                          seed=seed, **DP)
+        dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
+    else:
+        dp = make_private(tiny_models.mlp(), physical_batch_size=4)
+        dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            learning_rate=1.0, momentum=momentum, seed=seed, **DP),
+                   loss=_loss())
+    dp(_EMPTY[0])  # Built, so that weights files load into it.
+    return dp
+
+
+def _noise_of_next_step(dp):
+    """The next step's released noise: an empty logical batch's update."""
+    before = dp.get_weights()
+    tiny_models.one_step(dp, *_EMPTY)
+    return np.concatenate([(a - b).ravel()
+                           for a, b in zip(dp.get_weights(), before)])
+
+
+def _key_words(dp):
+    return dp.aggregator.keys.get_state()['state']
+
+
+def _artifact_bytes(path):
+    paths = [path] if os.path.isfile(path) else [
+        os.path.join(root, name) for root, _, names in os.walk(path)
+        for name in names]
+    return b''.join(open(p, 'rb').read() for p in paths)
+
+
+def _save(dp, kind, directory):
+    """Writes artifact ``kind`` of ``dp`` under ``directory``; its path."""
+    if kind == 'tf_checkpoint':
+        path = os.path.join(directory, 'ckpt')
+        dp.save_weights(path)
+        return directory
+    if kind == 'weights_h5':
+        path = os.path.join(directory, 'model.weights.h5')
+        dp.save_weights(path)
+    elif kind == 'h5':
+        # Keras writes no whole-model .h5 of a subclassed model (it refuses
+        # with NotImplementedError); .h5 weights are what can be written.
+        path = os.path.join(directory, 'model.h5')
+        dp.save_weights(path)
+    elif kind == 'keras':
+        path = os.path.join(directory, 'model.keras')
+        dp.save(path)
+    elif kind == 'saved_model':
+        path = os.path.join(directory, 'saved_model')
+        dp.save(path, save_format='tf')
+    elif kind == 'optimizer_checkpoint':
+        path = os.path.join(directory, 'opt')
+        tf.train.Checkpoint(optimizer=dp.optimizer, model=dp).write(path)
+        return directory
+    return path
+
+
+ARTIFACTS = ['tf_checkpoint', 'weights_h5', 'h5', 'keras', 'saved_model',
+             'optimizer_checkpoint']
+
+
+@pytest.mark.parametrize('path', ['model', 'optimizer'])
+@pytest.mark.parametrize('kind', ARTIFACTS)
+def test_no_artifact_holds_the_key_stream(tmp_path, kind, path):
+    dp = _dp_model(seed=SEED, path=path)
+    tiny_models.one_step(dp, *tiny_models.data(4))
+    words = _key_words(dp)
+    data = _artifact_bytes(_save(dp, kind, str(tmp_path)))
+    assert data
+    # The Philox state (counter and key words) in any byte order, and the
+    # seed: none may appear anywhere in the files.
+    for value in words + [SEED]:
+        for order in ('<', '>'):
+            packed = np.array([value], np.uint64 if value >= 0 else
+                              np.int64).astype(order + 'i8').tobytes()
+            if value not in (0, 1):  # Too common to mean anything.
+                assert packed not in data, (kind, value)
+    assert b'dp_generator' not in data and b'_keys' not in data
+    # Nor may a config say how the stream was seeded (Keras initializers
+    # have a seed entry of their own, None here).
+    for config in (dp.get_config(), dp.optimizer.get_config()):
+        assert 'seed' not in config
+        assert str(SEED) not in json.dumps(config, default=str)
+
+
+def test_two_restores_of_one_checkpoint_draw_independent_noise(tmp_path):
+    dp = _dp_model()
+    tiny_models.one_step(dp, *tiny_models.data(4))
+    dp.save_weights(str(tmp_path / 'ckpt'))
+    original = _noise_of_next_step(dp)
+    draws = []
+    for _ in range(2):
+        restored = _dp_model()
+        restored.load_weights(str(tmp_path / 'ckpt'))
+        draws.append(_noise_of_next_step(restored))
+    for a, b in [(draws[0], draws[1]), (draws[0], original),
+                 (draws[1], original)]:
+        assert abs(np.corrcoef(a, b)[0, 1]) < 0.5
+
+
+@pytest.mark.parametrize('path', ['model', 'optimizer'])
+@pytest.mark.parametrize('kind', ['tf_checkpoint', 'weights_h5'])
+def test_seeded_resume_does_not_replay_noise(tmp_path, kind, path):
+    dp = _dp_model(seed=SEED, path=path)
+    first = _noise_of_next_step(dp)  # The seed's first key.
+    second = _noise_of_next_step(dp)
+    saved = _save(dp, kind, str(tmp_path))
+    target = (os.path.join(saved, 'ckpt') if kind == 'tf_checkpoint'
+              else saved)
+    resumed = _dp_model(seed=SEED, path=path)
+    resumed.load_weights(target)
+    noise = _noise_of_next_step(resumed)
+    for released in (first, second):
+        assert abs(np.corrcoef(noise, released)[0, 1]) < 0.5
+
+
+# BackupAndRestore and ModelCheckpoint resumes of a seeded run: see
+# crash_resume_test.
+
+
+@pytest.mark.parametrize('path', ['model', 'optimizer'])
+def test_keras_file_reloads_compiled_without_replaying(tmp_path, path):
+    dp = _dp_model(seed=SEED, path=path, momentum=0.5)
+    tiny_models.one_step(dp, *tiny_models.data(4))
+    path = str(tmp_path / 'model.keras')
+    dp.save(path)
+    loads = [tf.keras.models.load_model(path) for _ in range(2)]
+    for loaded in loads:
+        assert isinstance(loaded, DPModel)
+        assert int(loaded.optimizer.iterations) == 1
+        assert loaded.dp_params == dp.dp_params
+        assert type(loaded.optimizer) is type(dp.optimizer)
+        for a, b in zip(loaded.get_weights(), dp.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(loaded.optimizer.variables(),
+                        dp.optimizer.variables()):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for loaded in loads:  # Measure the noise alone, not the momentum.
+        for slot in loaded.optimizer.variables()[1:]:
+            slot.assign(tf.zeros_like(slot))
+    noises = [_noise_of_next_step(m) for m in loads]
+    assert abs(np.corrcoef(noises[0], noises[1])[0, 1]) < 0.5
+
+
+def test_secret_run_state_file_resumes_a_seeded_stream_exactly(tmp_path):
+    dp = _dp_model(seed=SEED)
+    tiny_models.one_step(dp, *tiny_models.data(4))
+    dp.save_weights(str(tmp_path / 'ckpt'))
+    secret = str(tmp_path / 'secret' / 'random_state.json')
+    os.makedirs(os.path.dirname(secret))
+    dp.save_random_state(secret)
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    want = _noise_of_next_step(dp)
+    resumed = _dp_model(seed=SEED)
+    resumed.load_weights(str(tmp_path / 'ckpt'))
+    resumed.load_random_state(secret)
+    np.testing.assert_array_equal(_noise_of_next_step(resumed), want)
+    with pytest.raises(ValueError, match='SecretRandomState'):
+        resumed.aggregator.keys.set_state({'format': 'other'})
+
+
+if __name__ == '__main__':
+    raise SystemExit(pytest.main([__file__]))
