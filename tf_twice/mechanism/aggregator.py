@@ -110,11 +110,13 @@ class StepKeys:
     def next_key(self) -> tf.Tensor:
         """Draws the Philox key of one logical step (uint64, shape [1]).
 
-        In a replica context of a multi-replica strategy the key is drawn
-        once, in cross-replica context, and every replica gets the same one.
+        In a replica context the key is drawn once, in cross-replica
+        context, and every replica gets the same one (a generator drawn from
+        in replica context of a strategy would give each replica a stream
+        of its own, different from the single-device one, even for R = 1).
         """
         context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
+        if context is not None:
             return context.merge_call(
                 lambda _: aggregation.draw_step_key(self._generator))
         return aggregation.draw_step_key(self._generator)

@@ -1,0 +1,65 @@
+"""Training under tf.distribute is exact: the update does not depend on R.
+
+Under ``MirroredStrategy`` with R = 1, 2 and 4 logical CPU devices (and with
+no strategy), on both training paths: each replica clips and masks its share
+of a logical batch with masks keyed by global position, and noise is added
+once per logical batch. So the noiseless update with coordinate sampling is
+the same for every R, the noise std is the calibrated one (not sqrt(R)
+times it), and the ledger charges one step per logical batch. The runs are
+separate processes (``distribution_worker``): logical devices must be set
+before TensorFlow initialises.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One MirroredStrategy per process; the processes run side by side.
+_GROUPS = ['0,1', '2', '4']
+
+
+@pytest.fixture(scope='module')
+def results():
+    env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+    runs = [subprocess.Popen(
+        [sys.executable, '-m', 'tests.distribution_worker', group],
+        cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for group in _GROUPS]
+    merged = {}
+    for run in runs:
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        line = [l for l in out.splitlines() if l.startswith('RESULT ')][-1]
+        merged.update(json.loads(line[len('RESULT '):]))
+    return merged
+
+
+@pytest.mark.parametrize('path', ['model', 'optimizer'])
+def test_update_does_not_depend_on_the_number_of_replicas(results, path):
+    single = np.array(results['0']['noiseless'][path])
+    assert np.abs(single).max() > 1e-3  # The step moved the weights.
+    for replicas in ('1', '2', '4'):
+        np.testing.assert_allclose(
+            results[replicas]['noiseless'][path], single, rtol=1e-5,
+            atol=1e-6, err_msg=f'R={replicas}')
+
+
+@pytest.mark.parametrize('path', ['model', 'optimizer'])
+def test_noise_is_added_once_per_logical_batch(results, path):
+    for replicas in ('0', '1', '2', '4'):
+        got = results[replicas]['noise'][path]
+        # 1,600 pure-noise entries: the std is within a few percent; noise
+        # per replica would make it sqrt(R) times too large.
+        ratio = got['std'] / got['expected_std']
+        assert abs(ratio - 1) < 5 / np.sqrt(2 * got['num_values']), (
+            replicas, ratio)
+        assert got['steps'] == got['iterations'] == 3, replicas
+
+
+if __name__ == '__main__':
+    raise SystemExit(pytest.main([__file__]))

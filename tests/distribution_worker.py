@@ -1,0 +1,112 @@
+"""Runs DP steps under MirroredStrategy on R logical CPUs; prints JSON.
+
+A separate process (``python -m tests.distribution_worker``): logical
+devices must be configured before TensorFlow initialises its devices, which
+the test process has already done. Used by ``distribution_test``.
+"""
+
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+MAX_REPLICAS = 4
+_CPU = tf.config.list_physical_devices('CPU')[0]
+tf.config.set_logical_device_configuration(
+    _CPU, [tf.config.LogicalDeviceConfiguration()] * MAX_REPLICAS)
+
+# pylint: disable=wrong-import-position
+from tests import tiny_models  # noqa: E402
+from tf_twice import optimizers  # noqa: E402
+from tf_twice import sampling  # noqa: E402
+from tf_twice.keras import PrivacyLedger, make_private  # noqa: E402
+
+MASKED = dict(l2_norm_clip=0.6, linf_norm_clip=0.15,
+              coordinate_sampling_rate=0.5, expected_batch_size=6.0)
+
+
+_STRATEGIES = {}
+
+
+def _strategy(replicas):
+    """MirroredStrategy over ``replicas`` logical CPUs; 0: no strategy."""
+    if replicas == 0:
+        return tf.distribute.get_strategy()
+    # One strategy per process: the collective keys of separate
+    # MirroredStrategy instances collide.
+    if replicas not in _STRATEGIES:
+        _STRATEGIES[replicas] = tf.distribute.MirroredStrategy(
+            [f'/cpu:{i}' for i in range(replicas)])
+    return _STRATEGIES[replicas]
+
+
+def _build(path, noise_multiplier, inner_fn, physical_batch_size=3):
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    mechanism = dict(MASKED, noise_multiplier=noise_multiplier, seed=17)
+    if path == 'model':
+        dp = make_private(inner_fn(), physical_batch_size=physical_batch_size,
+                          **mechanism)
+        dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=loss)
+    else:
+        dp = make_private(inner_fn(), physical_batch_size=physical_batch_size)
+        dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            learning_rate=1.0, **mechanism), loss=loss)
+    return dp
+
+
+def noiseless_update(replicas, path):
+    """The update of one logical batch of 11 rows, noise 0, q2 = 0.5."""
+    x, y = tiny_models.data(11, seed=3)
+    with _strategy(replicas).scope():
+        dp = _build(path, 0.0, tiny_models.mlp)
+        before = [w.numpy() for w in dp.trainable_variables]
+        dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
+        return np.concatenate([(w.numpy() - b).ravel() for w, b in
+                               zip(dp.trainable_variables, before)]).tolist()
+
+
+def noise_std_and_ledger(replicas, path):
+    """Update std of zero-gradient steps (pure noise), and ledger steps."""
+    z = 2.0
+    num_examples, steps = 24, 3
+
+    def zero_model():
+        return tf.keras.Sequential([tf.keras.layers.Dense(
+            400, input_shape=(tiny_models.NUM_FEATURES,),
+            kernel_initializer='zeros', bias_initializer='zeros')])
+
+    x = np.zeros((num_examples, tiny_models.NUM_FEATURES), np.float32)
+    y = np.zeros((num_examples,), np.int64)
+    with _strategy(replicas).scope():
+        dp = _build(path, z, zero_model, physical_batch_size=2)
+        ledger = PrivacyLedger.for_model(dp, num_examples=num_examples,
+                                         delta=1e-5, verbose=0)
+        data = sampling.poisson_batches(
+            x, y, physical_batch_size=2, expected_batch_size=6.0,
+            steps=steps, seed=5)
+        dp.fit(data, epochs=1, callbacks=[ledger], verbose=0)
+        # Zero inputs: the kernel's gradient is 0, so each step adds only
+        # lr * z * c2 / (B_exp q2) * N(0, 1) to every kernel entry.
+        values = dp.trainable_variables[0].numpy().ravel()
+    return {'std': float(values.std()), 'steps': ledger.steps,
+            'iterations': int(dp.optimizer.iterations.numpy()),
+            'expected_std': float(np.sqrt(steps) * z * 0.6 / (6.0 * 0.5)),
+            'num_values': int(values.size)}
+
+
+def main():
+    # At most one MirroredStrategy per process (plus 0, no strategy):
+    # collective groups of strategies of different sizes clash.
+    result = {
+        replicas: {
+            task: {path: fn(int(replicas), path)
+                   for path in ('model', 'optimizer')}
+            for task, fn in (('noiseless', noiseless_update),
+                             ('noise', noise_std_and_ledger))}
+        for replicas in sys.argv[1].split(',')}
+    print('RESULT ' + json.dumps(result))
+
+
+if __name__ == '__main__':
+    main()
