@@ -39,7 +39,7 @@ def test_dp_fit_on_digits_learns_and_ledger_matches_accountant():
         kernel_initializer=tf.keras.initializers.GlorotUniform(seed=0))])
     loss = tf.keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
-    guards.check_no_batch_norm(inner)
+    guards.check_no_example_mixing(inner)
     guards.check_per_example_loss(loss)
     model = dp_model.DPModel(
         inner, l2_norm_clip=c2, noise_multiplier=z, expected_batch_size=batch,

@@ -28,8 +28,8 @@ def test_no_batch_norm_passes_group_and_layer_norm():
     h = tf.keras.layers.GroupNormalization(groups=2)(inputs)
     h = tf.keras.layers.LayerNormalization()(h)
     model = tf.keras.Model(inputs, tf.keras.layers.Flatten()(h))
-    guards.check_no_batch_norm(model)
-    guards.check_no_batch_norm(_dense())
+    guards.check_no_example_mixing(model)
+    guards.check_no_example_mixing(_dense())
 
 
 def test_batch_norm_top_level_fails():
@@ -38,7 +38,7 @@ def test_batch_norm_top_level_fails():
         tf.keras.layers.BatchNormalization(name='bn'),
     ])
     with pytest.raises(ValueError, match=r"bn.*GroupNormalization"):
-        guards.check_no_batch_norm(model)
+        guards.check_no_example_mixing(model)
 
 
 def test_batch_norm_in_nested_models_fails():
@@ -51,7 +51,7 @@ def test_batch_norm_in_nested_models_fails():
     inputs = tf.keras.Input([3])
     outer = tf.keras.Model(inputs, middle(inputs), name='outer')
     with pytest.raises(ValueError, match='outer/middle/inner/deep_bn'):
-        guards.check_no_batch_norm(outer)
+        guards.check_no_example_mixing(outer)
 
 
 def test_batch_norm_in_custom_layer_fails():
@@ -65,12 +65,40 @@ def test_batch_norm_in_custom_layer_fails():
             return self.norm(x)
 
     with pytest.raises(ValueError, match='SyncBatchNormalization'):
-        guards.check_no_batch_norm(Block())
+        guards.check_no_example_mixing(Block())
 
 
-def test_check_no_batch_norm_rejects_non_models():
+def test_custom_layer_declaring_example_mixing_fails():
+    class BatchAttention(tf.keras.layers.Layer):
+        mixes_examples = True  # Attends across the batch axis.
+
+        def call(self, x):
+            return x - tf.reduce_mean(x, axis=0, keepdims=True)
+
+    inputs = tf.keras.Input([3])
+    model = tf.keras.Model(inputs, BatchAttention(name='attend')(inputs),
+                           name='net')
+    with pytest.raises(ValueError, match='net/attend.*mixes_examples'):
+        guards.check_no_example_mixing(model)
+
+
+def test_normalisation_adapted_on_data_fails():
+    adapted = tf.keras.layers.Normalization(name='norm')
+    adapted.adapt(np.arange(12, dtype=np.float32).reshape(4, 3))
+    model = tf.keras.Sequential([adapted, tf.keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match='norm.*adapted on data'):
+        guards.check_no_example_mixing(model)
+    # Constants (e.g. from public data) are fine.
+    fixed = tf.keras.Sequential([
+        tf.keras.layers.Normalization(mean=[0.0] * 3, variance=[1.0] * 3,
+                                      input_shape=(3,)),
+        tf.keras.layers.Dense(2)])
+    guards.check_no_example_mixing(fixed)
+
+
+def test_check_no_example_mixing_rejects_non_models():
     with pytest.raises(ValueError, match='model'):
-        guards.check_no_batch_norm('model')
+        guards.check_no_example_mixing('model')
 
 
 @pytest.mark.parametrize('loss', [

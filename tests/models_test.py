@@ -65,7 +65,7 @@ def test_logits_shape(builder, request):
 @pytest.mark.parametrize('builder', ['cnn', 'resnet'])
 def test_no_batch_normalization(builder, request):
     model = request.getfixturevalue(builder)
-    guards.check_no_batch_norm(model)  # Raises if there is one.
+    guards.check_no_example_mixing(model)  # Raises if there is one.
     names = [type(l).__name__ for l in _all_layers(model)]
     assert not [n for n in names if 'BatchNorm' in n]
 

@@ -263,7 +263,7 @@ class DPModel(tf.keras.Model):
         if not isinstance(model, tf.keras.Model):
             raise ValueError(
                 f'model must be a tf.keras.Model, got {type(model).__name__}.')
-        guards.check_no_batch_norm(model)
+        guards.check_no_example_mixing(model)
         if (isinstance(physical_batch_size, bool)
                 or not isinstance(physical_batch_size, int)
                 or physical_batch_size < 1):

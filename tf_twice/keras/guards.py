@@ -4,7 +4,9 @@ DP-SGD's guarantee (and `tf_twice.accounting`'s epsilon) rests on five
 assumptions the code cannot enforce by itself:
 
 1. each example's gradient depends on that example only: no layer may mix
-   examples of a batch (BatchNormalization does, through batch statistics);
+   examples of a batch (BatchNormalization does, through batch statistics;
+   custom layers that do declare ``mixes_examples = True``), and no layer
+   may hold statistics adapted on private data;
 2. the loss is per example, so per-example gradients exist (a loss reduced
    to a scalar over the batch has none);
 3. batches are Poisson samples (`tf_twice.sampling`), not fixed-size
@@ -47,7 +49,7 @@ __all__ = [
     'NonPoissonInputWarning',
     'check_event_matches',
     'check_event_matches_model',
-    'check_no_batch_norm',
+    'check_no_example_mixing',
     'check_per_example_loss',
     'check_poisson_input',
     'dp_event_from_params',
@@ -76,37 +78,63 @@ def _walk_layers(layer: Any, path: str) -> Iterator[Tuple[str, Any]]:
         yield from _walk_layers(child, f'{path}/{child.name}')
 
 
-def _is_batch_norm(layer: Any) -> bool:
-    if isinstance(layer, tf.keras.layers.BatchNormalization):
-        return True
-    # Also catches SyncBatchNormalization, tf.compat.v1 and other Keras
-    # copies of the layer, which need not share the class above.
-    return any('BatchNorm' in cls.__name__ for cls in type(layer).__mro__)
+# Keras preprocessing layers whose state can be learned from data by adapt().
+_ADAPTABLE_NORMALISATION = ('Normalization', 'Discretization')
 
 
-def check_no_batch_norm(model: tf.keras.layers.Layer) -> None:
-    """Refuses a model with BatchNormalization anywhere (nested models too).
+def _why_not_per_example(layer: Any) -> Optional[str]:
+    """Why ``layer`` voids per-example sensitivity, or None if it does not.
 
-    BatchNormalization normalises each example with statistics of the whole
-    batch, so one example's gradient depends on every other example and
-    per-example clipping no longer bounds any single example's influence.
-    GroupNormalization (what the paper uses) and LayerNormalization
-    normalise within an example and are safe.
+    * Batch statistics in training mode (BatchNormalization and every
+      copy or subclass of it, SyncBatchNormalization...) mix the examples of
+      a batch, so one example changes every other example's gradient.
+    * A layer that declares ``mixes_examples = True`` (the convention for
+      custom layers that normalise or attend across the batch axis).
+    * A normalisation adapted on data (``Normalization``/``Discretization``
+      after ``adapt``): its statistics are a function of the data it saw,
+      released with the model and not accounted; if that data was private,
+      the guarantee is void.
+    """
+    names = [cls.__name__ for cls in type(layer).__mro__]
+    if isinstance(layer, tf.keras.layers.BatchNormalization) or any(
+            'BatchNorm' in name for name in names):
+        return ('normalises with batch statistics, which mixes examples: '
+                'per-example gradients, and so DP-SGD\'s guarantee, do not '
+                'exist with it. Use tf.keras.layers.GroupNormalization (as '
+                'the paper does) or tf.keras.layers.LayerNormalization.')
+    if getattr(layer, 'mixes_examples', False) is True:
+        return ('declares mixes_examples = True: its output for one example '
+                'depends on other examples of the batch, so per-example '
+                'clipping does not bound any example\'s influence.')
+    if (type(layer).__name__ in _ADAPTABLE_NORMALISATION
+            and getattr(layer, 'is_adapted', False)):
+        return ('was adapted on data: its statistics are released with the '
+                'model and no accountant covers them. Give its parameters '
+                'explicitly (e.g. Normalization(mean=..., variance=...)) '
+                'computed from PUBLIC data, or normalise with constants.')
+    return None
+
+
+def check_no_example_mixing(model: tf.keras.layers.Layer) -> None:
+    """Refuses a model with a layer that breaks per-example sensitivity.
+
+    Checks ``model`` and every layer nested in it (nested models, custom
+    layers, wrappers) for batch statistics, a declared ``mixes_examples =
+    True`` and normalisation adapted on data (see ``_why_not_per_example``).
+    GroupNormalization and LayerNormalization normalise within one example
+    and are safe.
 
     Raises:
-      ValueError: naming the first BatchNormalization layer found.
+      ValueError: naming the first such layer (its path) and why.
     """
     if not isinstance(model, tf.keras.layers.Layer):
         raise ValueError('model must be a tf.keras Model or Layer; got '
                          f'{type(model).__name__}.')
     for path, layer in _walk_layers(model, model.name):
-        if _is_batch_norm(layer):
+        why = _why_not_per_example(layer)
+        if why is not None:
             raise ValueError(
-                f'Layer {path!r} ({type(layer).__name__}) normalises with '
-                'batch statistics, which mixes examples: per-example '
-                'gradients, and so DP-SGD\'s guarantee, do not exist with it. '
-                'Use tf.keras.layers.GroupNormalization (as the paper does) '
-                'or tf.keras.layers.LayerNormalization instead.')
+                f'Layer {path!r} ({type(layer).__name__}) {why}')
 
 
 def _default_probes():

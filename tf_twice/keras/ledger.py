@@ -647,7 +647,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # Refused before any step runs, so nothing is charged for them.
-        guards.check_no_batch_norm(self.model)
+        guards.check_no_example_mixing(self.model)
         guards.check_event_matches_model(self._event, self.model)
         self._unblock()
         self._stopped_by_budget = False
