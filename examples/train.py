@@ -40,8 +40,10 @@ noise). A noise stream whose seed is known can be recomputed and subtracted,
 so a seeded run is for experiments only; leave `--seed` unset (OS entropy)
 for a release that relies on the guarantee.
 
-Checkpoints: with `--checkpoint_dir` the model, its optimizer and the noise
-generator are saved after every epoch (TensorFlow checkpoint `ckpt`), the
+Checkpoints: with `--checkpoint_dir` the model and its optimizer are saved
+after every epoch (TensorFlow checkpoint `ckpt`; it holds no random state,
+so the noise cannot be recomputed from it and a resumed run draws fresh
+masks and noise from OS entropy, also with `--seed`), the
 ledger's state file `privacy_ledger.json` is kept beside them, and `run.json`
 records the run's kind (and, for hybrid, its per-block clips and noise).
 Running the same command again resumes: it restores the latest checkpoint,
@@ -470,6 +472,10 @@ def load_data(dataset: str = 'digits', *, public_examples: int = 0,
                 num_classes=num_classes)
 
 
+# Not converted by autograph: only Python-level dtype checks, and converted
+# functions are cached by code identity, which a copy of this script loaded
+# again (the tests, the accuracy study) can alias after garbage collection.
+@tf.autograph.experimental.do_not_convert
 def to_unit_float(x):
     """uint8 images to float32 in [0, 1]; float images unchanged."""
     if isinstance(x, np.ndarray):
@@ -481,6 +487,7 @@ def to_unit_float(x):
     return tf.cast(x, tf.float32)
 
 
+@tf.autograph.experimental.do_not_convert
 def _preprocess(x, y):
     return to_unit_float(x), y
 
@@ -839,7 +846,8 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
             log_dir=config.tensorboard_dir, verbose=config.verbose)
     restored = None
     if has_checkpoint:
-        # Weights, optimizer state and the DP generator (TF format).
+        # Weights and optimizer state; the step keys are never saved, and a
+        # seeded model reseeds them from OS entropy here (no replay).
         restored = model.load_weights(
             tf.train.latest_checkpoint(config.checkpoint_dir))
         if basis is not None:
