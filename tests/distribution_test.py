@@ -1,7 +1,8 @@
 """Training under tf.distribute is exact: the update does not depend on R.
 
 Under ``MirroredStrategy`` with R = 1, 2 and 4 logical CPU devices (and with
-no strategy), on both training paths: each replica clips and masks its share
+no strategy), and under ``MultiWorkerMirroredStrategy`` with two workers on
+loopback, on both training paths: each replica clips and masks its share
 of a logical batch with masks keyed by global position, and noise is added
 once per logical batch. So the noiseless update with coordinate sampling is
 the same for every R, the noise std is the calibrated one (not sqrt(R)
@@ -12,6 +13,7 @@ before TensorFlow initialises.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -23,19 +25,42 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GROUPS = ['0,1', '2', '4']
 
 
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(('localhost', 0))
+    ports = [str(s.getsockname()[1]) for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _result(run, timeout=600):
+    out, err = run.communicate(timeout=timeout)
+    assert run.returncode == 0, err[-3000:]
+    line = [l for l in out.splitlines() if l.startswith('RESULT ')][-1]
+    return json.loads(line[len('RESULT '):])
+
+
+def _start(*args):
+    env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+    env.pop('TF_CONFIG', None)
+    return subprocess.Popen(
+        [sys.executable, '-m', 'tests.distribution_worker', *args],
+        cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+
+
 @pytest.fixture(scope='module')
 def results():
-    env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
-    runs = [subprocess.Popen(
-        [sys.executable, '-m', 'tests.distribution_worker', group],
-        cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for group in _GROUPS]
+    runs = [_start(group) for group in _GROUPS]
     merged = {}
     for run in runs:
-        out, err = run.communicate(timeout=600)
-        assert run.returncode == 0, err[-3000:]
-        line = [l for l in out.splitlines() if l.startswith('RESULT ')][-1]
-        merged.update(json.loads(line[len('RESULT '):]))
+        merged.update(_result(run))
+    # Two workers of a MultiWorkerMirroredStrategy on loopback.
+    ports = _free_ports(2)
+    workers = [_start('multi_worker', str(i), *ports) for i in range(2)]
+    merged['workers'] = [_result(run, timeout=300) for run in workers]
     return merged
 
 
@@ -59,6 +84,20 @@ def test_noise_is_added_once_per_logical_batch(results, path):
         assert abs(ratio - 1) < 5 / np.sqrt(2 * got['num_values']), (
             replicas, ratio)
         assert got['steps'] == got['iterations'] == 3, replicas
+
+
+@pytest.mark.parametrize('path', ['model', 'optimizer'])
+def test_two_workers_give_the_single_device_update(results, path):
+    for worker in results['workers']:
+        np.testing.assert_allclose(worker[path],
+                                   results['0']['noiseless'][path],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_unsharded_multi_worker_input_is_refused(results):
+    # Each worker would clip and sum every example: counted twice.
+    for worker in results['workers']:
+        assert 'auto_shard_policy OFF' in worker['unsharded']
 
 
 if __name__ == '__main__':

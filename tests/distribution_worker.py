@@ -1,20 +1,28 @@
-"""Runs DP steps under MirroredStrategy on R logical CPUs; prints JSON.
+"""Runs DP steps under tf.distribute strategies; prints JSON.
 
-A separate process (``python -m tests.distribution_worker``): logical
-devices must be configured before TensorFlow initialises its devices, which
-the test process has already done. Used by ``distribution_test``.
+A separate process, used by ``distribution_test``:
+
+* ``python -m tests.distribution_worker 0,1`` (or ``2``, ``4``):
+  MirroredStrategy on R logical CPUs (0: no strategy). Logical devices must
+  be configured before TensorFlow initialises its devices, which the test
+  process has already done.
+* ``python -m tests.distribution_worker multi_worker INDEX PORT0 PORT1``:
+  worker INDEX of a two-worker MultiWorkerMirroredStrategy on loopback.
 """
 
 import json
+import os
 import sys
 
 import numpy as np
 import tensorflow as tf
 
 MAX_REPLICAS = 4
-_CPU = tf.config.list_physical_devices('CPU')[0]
-tf.config.set_logical_device_configuration(
-    _CPU, [tf.config.LogicalDeviceConfiguration()] * MAX_REPLICAS)
+_MULTI_WORKER = sys.argv[1:2] == ['multi_worker']
+if not _MULTI_WORKER:
+    _CPU = tf.config.list_physical_devices('CPU')[0]
+    tf.config.set_logical_device_configuration(
+        _CPU, [tf.config.LogicalDeviceConfiguration()] * MAX_REPLICAS)
 
 # pylint: disable=wrong-import-position
 from tests import tiny_models  # noqa: E402
@@ -55,10 +63,10 @@ def _build(path, noise_multiplier, inner_fn, physical_batch_size=3):
     return dp
 
 
-def noiseless_update(replicas, path):
+def noiseless_update(replicas, path, strategy=None):
     """The update of one logical batch of 11 rows, noise 0, q2 = 0.5."""
     x, y = tiny_models.data(11, seed=3)
-    with _strategy(replicas).scope():
+    with (strategy or _strategy(replicas)).scope():
         dp = _build(path, 0.0, tiny_models.mlp)
         before = [w.numpy() for w in dp.trainable_variables]
         dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
@@ -95,7 +103,35 @@ def noise_std_and_ledger(replicas, path):
             'num_values': int(values.size)}
 
 
+def multi_worker(index, ports):
+    """Both paths' noiseless update on this worker, and the refusal of
+    datasets that every worker reads whole (each example counted twice)."""
+    os.environ['TF_CONFIG'] = json.dumps({
+        'cluster': {'worker': [f'localhost:{p}' for p in ports]},
+        'task': {'type': 'worker', 'index': index}})
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    result = {path: noiseless_update(None, path, strategy)
+              for path in ('model', 'optimizer')}
+    x, y = tiny_models.data(11, seed=3)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.OFF)
+    with strategy.scope():
+        dp = _build('model', 0.0, tiny_models.mlp)
+    try:
+        dp.fit(tf.data.Dataset.from_tensors((x, y)).with_options(options),
+               verbose=0)
+        result['unsharded'] = 'trained'
+    except ValueError as error:
+        result['unsharded'] = str(error)
+    return result
+
+
 def main():
+    if _MULTI_WORKER:
+        index, ports = int(sys.argv[2]), sys.argv[3:5]
+        print('RESULT ' + json.dumps(multi_worker(index, ports)))
+        return
     # At most one MirroredStrategy per process (plus 0, no strategy):
     # collective groups of strategies of different sizes clash.
     result = {

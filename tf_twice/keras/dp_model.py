@@ -191,6 +191,28 @@ def _with_callback(callbacks: Any, extra: tf.keras.callbacks.Callback):
     return list(tf.nest.flatten(callbacks or [])) + [extra]
 
 
+def _check_sharding(strategy: tf.distribute.Strategy, x: Any) -> None:
+    """Refuses input that every worker of a multi-worker strategy reads whole.
+
+    Each logical batch must be split over all replicas of all workers, so
+    that every example is clipped and summed once. With auto-sharding OFF
+    each worker processes every row itself and each example is counted once
+    per worker: W times the sensitivity the accountant assumes.
+    """
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return
+    if isinstance(x, tf.data.Dataset) and (
+            x.options().experimental_distribute.auto_shard_policy
+            == tf.data.experimental.AutoShardPolicy.OFF):
+        raise ValueError(
+            'x has auto_shard_policy OFF under MultiWorkerMirroredStrategy: '
+            'every worker would process every example of a logical batch, '
+            'counting each example once per worker. Keep the default policy '
+            '(AUTO, which splits each logical batch over all replicas), and '
+            'give every worker the same dataset (poisson_batches with the '
+            'same seed).')
+
+
 def _is_dp_optimizer(optimizer: Any) -> bool:
     return isinstance(getattr(optimizer, 'aggregator', None),
                       aggregator_lib.PrivateAggregator)
@@ -523,6 +545,7 @@ class DPModel(tf.keras.Model):
             raise ValueError('allow_non_poisson_input must be True or False; '
                              f'got {allow_non_poisson_input!r}.')
         self._require_aggregator()
+        _check_sharding(self.distribute_strategy, x)
         for ledger in _ledgers(callbacks):
             event = ledger.event
             info = guards.check_poisson_input(

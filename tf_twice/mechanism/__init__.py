@@ -2,7 +2,8 @@
 
 ``aggregation`` is the one clip-mask-noise-normalise aggregation (one block or
 several); ``hybrid`` runs it on hybrid-clipping blocks of a ``HybridBasis``
-(``basis``) inside both training paths.
+(``basis``); ``aggregator.PrivateAggregator`` runs one logical batch for every
+training path, on one device or several, and owns the secret step keys.
 """
 
 from tf_twice.mechanism.aggregation import AggregationParams
@@ -18,3 +19,5 @@ from tf_twice.mechanism.aggregation import standard_normal_noise
 from tf_twice.mechanism.aggregation import validate_params
 from tf_twice.mechanism.hybrid import BasisVariables
 from tf_twice.mechanism.hybrid import hybrid_noise_multipliers
+from tf_twice.mechanism.aggregator import PrivateAggregator
+from tf_twice.mechanism.aggregator import StepKeys
