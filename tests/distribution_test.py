@@ -100,5 +100,12 @@ def test_unsharded_multi_worker_input_is_refused(results):
         assert 'auto_shard_policy OFF' in worker['unsharded']
 
 
+def test_workers_must_sample_the_same_logical_batches(results):
+    # seed=None draws a seed per worker: each would slice another batch.
+    for worker in results['workers']:
+        assert 'different seeds' in worker['own_seeds']
+        assert worker['shared_seed_steps'] == 2
+
+
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))

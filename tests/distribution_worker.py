@@ -124,6 +124,20 @@ def multi_worker(index, ports):
         result['unsharded'] = 'trained'
     except ValueError as error:
         result['unsharded'] = str(error)
+    # Poisson batches must be the same logical batches on every worker.
+    n = len(x)
+    own_seed = sampling.poisson_batches(x, y, physical_batch_size=3,
+                                        expected_batch_size=6.0, steps=2)
+    try:
+        dp.fit(own_seed, verbose=0)
+        result['own_seeds'] = 'trained'
+    except ValueError as error:
+        result['own_seeds'] = str(error)
+    shared = sampling.poisson_batches(x, y, physical_batch_size=3,
+                                      expected_batch_size=6.0, steps=2,
+                                      seed=n)
+    dp.fit(shared, verbose=0)
+    result['shared_seed_steps'] = int(dp.optimizer.iterations.numpy())
     return result
 
 

@@ -77,6 +77,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
+from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.keras import guards
 from tf_twice.keras import ledger as ledger_lib
@@ -211,6 +212,34 @@ def _check_sharding(strategy: tf.distribute.Strategy, x: Any) -> None:
             '(AUTO, which splits each logical batch over all replicas), and '
             'give every worker the same dataset (poisson_batches with the '
             'same seed).')
+    info = sampling.get_poisson_sampling_info(x)
+    if info is not None and not _same_on_every_replica(
+            strategy, (info.seed, info.start_step)):
+        # Each worker would take its share of a DIFFERENT logical batch: the
+        # union is no Poisson sample and an example may be summed twice.
+        raise ValueError(
+            'The workers\' poisson_batches have different seeds (or '
+            'start_step): each worker would take its slice of a different '
+            'logical batch, so an example could be summed more than once in '
+            'a step. Build the dataset on every worker with the same SECRET '
+            'seed (e.g. drawn once with secrets.randbits(63) and sent to the '
+            'workers over a private channel).')
+
+
+def _same_on_every_replica(strategy: tf.distribute.Strategy,
+                           values: Sequence[int]) -> bool:
+    """Whether the integers ``values`` are equal on every replica."""
+    # 16-bit words are exact in float32.
+    words = tf.constant([[(int(v) >> shift) & 0xFFFF for v in values
+                          for shift in (0, 16, 32, 48)]], tf.float32)
+
+    @tf.function
+    def gather():
+        return strategy.run(lambda: tf.distribute.get_replica_context()
+                            .all_gather(words, axis=0))
+
+    gathered = strategy.experimental_local_results(gather())[0].numpy()
+    return bool((gathered == gathered[:1]).all())
 
 
 def _is_dp_optimizer(optimizer: Any) -> bool:
