@@ -13,8 +13,8 @@ on. Checked:
     step of the step it was written after (and no random state);
 (c) the resumed ledger's epsilon is the accountant's for every step charged;
 (d) the resumed run draws none of the mask/noise keys of the crashed run,
-    although the model is seeded (a seeded model meeting restored weights
-    reseeds from OS entropy; it would otherwise replay the seed's keys).
+    although the model is seeded with the same seed (a seeded stream is
+    positioned by the model's state at its first step).
 """
 
 import os
@@ -67,17 +67,16 @@ def _state(dp: DPModel) -> tuple:
 
 
 class _Recorder(tf.keras.callbacks.Callback):
-    """Generator state before each step; weights after each step."""
+    """After each step: the key stream's state (which identifies the key
+    the step drew) and the weights."""
 
     def __init__(self):
         super().__init__()
-        self.states_before: List[tuple] = []
+        self.states_after: List[tuple] = []
         self.weights_after: List[List[np.ndarray]] = []
 
-    def on_train_batch_begin(self, batch, logs=None):
-        self.states_before.append(_state(self.model))
-
     def on_train_batch_end(self, batch, logs=None):
+        self.states_after.append(_state(self.model))
         self.weights_after.append(self.model.get_weights())
 
 
@@ -120,7 +119,7 @@ def _check_resumed_ledger(dp: DPModel, ledger_path: str) -> PrivacyLedger:
 
 def _check_no_replay(new_states: List[tuple], recorder: _Recorder) -> None:
     """(d): no resumed step uses a key of any step of the crashed run."""
-    used = set(recorder.states_before)
+    used = set(recorder.states_after)
     assert new_states and not used.intersection(new_states)
 
 
@@ -137,8 +136,7 @@ def test_resume_from_model_checkpoint(tmp_path):
     _, recorder = _crashed_run(ledger_path, checkpoint)
 
     # A new process: same paths, a model built from scratch.
-    dp = _dp_model()
-    assert _state(dp) == recorder.states_before[0]  # The seed's first key.
+    dp = _dp_model()  # Same seed, same initial weights.
     resumed = _check_resumed_ledger(dp, ledger_path)
     charged = resumed.steps
 
@@ -149,7 +147,6 @@ def test_resume_from_model_checkpoint(tmp_path):
     _assert_weights_equal(dp.get_weights(),
                           recorder.weights_after[LAST_CHECKPOINT - 1])
     assert int(dp.optimizer.iterations) == LAST_CHECKPOINT
-    assert _state(dp) not in recorder.states_before  # Reseeded on load.
 
     # (c) Training on charges the new steps on top of the old ones.
     new_recorder = _Recorder()
@@ -162,7 +159,7 @@ def test_resume_from_model_checkpoint(tmp_path):
         rel=1e-12)
     again = PrivacyLedger(resumed.event, DELTA, state_path=ledger_path)
     assert again.steps == resumed.steps
-    _check_no_replay(new_recorder.states_before, recorder)
+    _check_no_replay(new_recorder.states_after, recorder)
 
 
 @pytest.mark.parametrize('ledger_first', [False, True])
@@ -203,13 +200,13 @@ def test_resume_with_backup_and_restore(tmp_path, ledger_first):
                           recorder.weights_after[LAST_CHECKPOINT - 1])
     # Keras resumes mid-epoch: the rest of epoch 1, then epoch 2.
     ran = int(dp.optimizer.iterations) - LAST_CHECKPOINT
-    assert ran == len(new_recorder.states_before) == (
+    assert ran == len(new_recorder.states_after) == (
         2 * STEPS_PER_EPOCH - LAST_CHECKPOINT)
     # (c)
     assert resumed.steps == charged + ran
     assert resumed.epsilon == pytest.approx(
         _accountant_epsilon(resumed.event, charged + ran), rel=1e-12)
-    _check_no_replay(new_recorder.states_before, recorder)
+    _check_no_replay(new_recorder.states_after, recorder)
 
 
 if __name__ == '__main__':

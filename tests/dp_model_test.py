@@ -50,7 +50,7 @@ def _assert_all_close(a_list, b_list, **kwargs):
         np.testing.assert_allclose(a, b, **kwargs)
 
 
-_next_key = tiny_models.next_step_key
+_next_key = tiny_models.fix_next_step_key
 
 
 DP = dict(l2_norm_clip=0.6, linf_norm_clip=0.15, noise_multiplier=1.0,

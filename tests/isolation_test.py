@@ -47,14 +47,10 @@ def _update(dp, initial, x, y, w):
     """The weight change of one noiseless step from ``initial``, with the
     same step key (so the same masks) every time."""
     dp.set_weights(initial)
-    dp.aggregator.keys.set_state(_KEY_STATE)
+    dp.aggregator.keys.set_state(tiny_models.FIXED_KEY_STATE)
     tiny_models.one_step(dp, x, y, w)
     return np.concatenate([(a - b).ravel() for a, b in
                            zip(dp.get_weights(), initial)])
-
-
-_KEY_STATE = {'format': 'tf_twice.SecretRandomState', 'version': 1,
-              'algorithm': 1, 'state': [0, 0, 12345]}
 
 
 def _check_isolation(dp, x, y):

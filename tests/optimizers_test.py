@@ -37,10 +37,18 @@ def _private(model, optimizer, physical_batch_size=4):
     return private
 
 
-def _one_step(model, optimizer, x, y, sample_weight=None):
+_FIXED_KEY = agg.draw_step_key(tf.random.Generator.from_state(
+    tiny_models.FIXED_KEY_STATE['state'],
+    tiny_models.FIXED_KEY_STATE['algorithm']))
+
+
+def _one_step(model, optimizer, x, y, sample_weight=None, fix_key=False):
     """One step of ``model`` wrapped by make_private and compiled with the
-    DP ``optimizer`` (the optimizer path); returns the new weights."""
+    DP ``optimizer`` (the optimizer path); returns the new weights. With
+    ``fix_key`` the step uses ``_FIXED_KEY``."""
     private = _private(model, optimizer)
+    if fix_key:
+        tiny_models.fix_next_step_key(private)
     tiny_models.one_step(private, x, y, sample_weight)
     return [v.numpy() for v in model.trainable_variables]
 
@@ -96,12 +104,12 @@ def test_whole_step_matches_numpy_reference():
         l2_norm_clip=c2, linf_norm_clip=c_inf, noise_multiplier=z,
         coordinate_sampling_rate=q2, expected_batch_size=exp_batch, seed=42,
         learning_rate=lr)
-    key = agg.draw_step_key(tf.random.Generator.from_seed(42))
+    key = _FIXED_KEY
     shapes = [w0.shape, b0.shape]
     masks = [m.numpy() for m in agg.coordinate_masks(key, shapes, q2, BATCH)]
     noise = [e.numpy() for e in agg.standard_normal_noise(
         key, shapes, [tf.float32] * 2)]
-    w1, b1 = _one_step(model, opt, x, y)
+    w1, b1 = _one_step(model, opt, x, y, fix_key=True)
     w_ref, b_ref = numpy_step(w0, b0, x, y, np.ones(BATCH), masks, noise, c2,
                               c_inf, z, exp_batch, q2, lr)
     np.testing.assert_allclose(w1, w_ref, rtol=1e-5, atol=1e-6)
@@ -254,13 +262,13 @@ def test_optimizer_with_a_basis_runs_the_hybrid_step():
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
         basis=basis, seed=3, learning_rate=0.5, **dp)
     assert opt.basis is basis and opt.dp_params.num_blocks == 2
-    key = agg.draw_step_key(tf.random.Generator.from_seed(3))
+    key = _FIXED_KEY
     params = agg.AggregationParams(**dp)
     update = hybrid.noisy_update(
         hybrid.block_sums([g.astype(np.float32) for g in grads], params,
                           basis=basis, key=key), params, basis=basis,
         key=key)
-    got = _one_step(model, opt, x, y)
+    got = _one_step(model, opt, x, y, fix_key=True)
     for g, u, v0 in zip(got, update, (w, b)):
         np.testing.assert_allclose(g, v0 - 0.5 * u.numpy(), rtol=1e-5,
                                    atol=1e-6)

@@ -45,9 +45,15 @@ def one_step(dp_model, x, y, sample_weight=None):
     return {name: values[-1] for name, values in history.history.items()}
 
 
-def next_step_key(dp_model):
-    """The Philox key the model's next step will draw (without drawing it)."""
+# A fixed Philox state (counter 0, key 12345) for tests that predict keys.
+FIXED_KEY_STATE = {'format': 'tf_twice.SecretRandomState', 'version': 1,
+                   'algorithm': 1, 'state': [0, 0, 12345]}
+
+
+def fix_next_step_key(dp_model):
+    """Sets the model's step keys to a fixed state; returns the next key."""
     from tf_twice.mechanism import aggregation  # pylint: disable=import-outside-toplevel
-    state = dp_model.aggregator.keys.get_state()
-    twin = tf.random.Generator.from_state(state['state'], state['algorithm'])
+    dp_model.aggregator.keys.set_state(FIXED_KEY_STATE)
+    twin = tf.random.Generator.from_state(FIXED_KEY_STATE['state'],
+                                          FIXED_KEY_STATE['algorithm'])
     return aggregation.draw_step_key(twin)

@@ -49,11 +49,11 @@ Secrets: the step keys that determine every mask and all noise live in the
 model's ``PrivateAggregator`` and are never part of a model artifact (TF
 checkpoints, ``.weights.h5``, ``.h5``, ``.keras``, SavedModel,
 ``get_config``): whoever holds an artifact cannot recompute the noise. A new
-process draws fresh keys from OS entropy; a seeded model whose weights are
-restored (``load_weights``, a checkpoint restore, ``BackupAndRestore``) is
-reseeded from OS entropy before its first step, so a resumed run never
-replays noise. A bit-reproducible seeded run instead saves and loads its
-stream in a separate, SECRET file (``save_random_state`` /
+process draws fresh keys from OS entropy; a seeded model's stream is
+positioned by the seed and the model's state (weights, step count) at its
+first step, so restored, loaded or assigned weights give another stream and a
+resumed run never replays noise. A bit-reproducible seeded run instead saves
+and loads its stream in a separate, SECRET file (``save_random_state`` /
 ``load_random_state``).
 
 Distribution: under a ``tf.distribute`` strategy (e.g. ``MirroredStrategy``
@@ -165,31 +165,6 @@ def _chunked(t: tf.Tensor, chunk: int) -> tf.Tensor:
     out = tf.reshape(t, tf.concat([[-1, chunk], tf.shape(t)[1:]], axis=0))
     out.set_shape([None, chunk] + t.shape[1:].as_list())
     return out
-
-
-class _FreshKeysAfterRestore(tf.keras.callbacks.Callback):
-    """Reseeds a seeded model's fresh key stream that meets restored weights.
-
-    Runs last among ``fit``'s callbacks, so after ``BackupAndRestore`` (or any
-    callback) restored weights and optimizer in ``on_train_begin``.
-    """
-
-    def __init__(self, dp_model: 'DPModel') -> None:
-        super().__init__()
-        self._dp_model = dp_model
-
-    def on_train_begin(self, logs=None):
-        optimizer = self._dp_model.optimizer
-        steps = int(optimizer.iterations.numpy()) if optimizer is not None \
-            else 0
-        self._dp_model._reseed_if_restored(steps > 0)  # pylint: disable=protected-access
-
-
-def _with_callback(callbacks: Any, extra: tf.keras.callbacks.Callback):
-    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
-        callbacks.append(extra)
-        return callbacks
-    return list(tf.nest.flatten(callbacks or [])) + [extra]
 
 
 def _check_sharding(strategy: tf.distribute.Strategy, x: Any) -> None:
@@ -412,15 +387,6 @@ class DPModel(tf.keras.Model):
         """Continues the step keys from a ``save_random_state`` file."""
         self._require_aggregator().keys.load(path)
 
-    def _reseed_if_restored(self, restored: bool) -> None:
-        aggregator = self.aggregator
-        if restored and aggregator is not None and \
-                aggregator.keys.reseed_if_restored(True):
-            _LOGGER.warning(
-                'DPModel: a seeded model met restored weights; its step keys '
-                'were reseeded from OS entropy so that the seed\'s noise is '
-                'not replayed (load_random_state continues a saved stream).')
-
     def dp_event(self, num_examples: int) -> TwiceSampledGaussianDpEvent:
         """The DpEvent of one ``train_step`` on n = ``num_examples`` examples.
 
@@ -554,11 +520,6 @@ class DPModel(tf.keras.Model):
         NOTHING IS ACCOUNTED: no epsilon holds unless the caller accounts
         the steps (and their sampling) by other means.
 
-        A seeded model whose weights were restored (by ``load_weights``
-        earlier, or by a callback such as ``BackupAndRestore`` at the start
-        of this ``fit``) reseeds its step keys from OS entropy before the
-        first step, unless ``load_random_state`` set them.
-
         Args:
           x, y, batch_size, epochs, verbose, callbacks, *args, **kwargs: as
             in ``tf.keras.Model.fit``.
@@ -585,7 +546,6 @@ class DPModel(tf.keras.Model):
             guards.check_event_matches_model(
                 event, self,
                 num_examples=None if info is None else info.num_examples)
-        callbacks = _with_callback(callbacks, _FreshKeysAfterRestore(self))
         return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                            *args, **kwargs)
 
@@ -602,18 +562,6 @@ class DPModel(tf.keras.Model):
             'fit(poisson_batches(...), callbacks=[ledger]), or call '
             'train_step in a custom loop and charge each step with '
             'ledger.record_steps().')
-
-    def load_weights(self, filepath, *args, **kwargs):
-        """``tf.keras.Model.load_weights``; never replays the step keys.
-
-        No weights file holds the step keys. A seeded model (whose fresh
-        stream would repeat the seed's first keys on top of weights that
-        already took steps) is reseeded from OS entropy here, unless
-        ``load_random_state`` set its stream.
-        """
-        status = super().load_weights(filepath, *args, **kwargs)
-        self._reseed_if_restored(True)
-        return status
 
     @property
     def metrics(self):
@@ -723,7 +671,7 @@ class DPModel(tf.keras.Model):
         w_chunks = to_chunks(weights)
 
         variables = self.inner_model.trainable_variables
-        key = aggregator.begin()
+        key = aggregator.begin(variables, self.optimizer.iterations)
         # Masks are keyed by an example's position in the whole logical
         # batch, also when replicas share it.
         first_row = aggregator_lib.global_offset(size)

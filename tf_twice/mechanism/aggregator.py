@@ -20,8 +20,9 @@ whether the accountant's epsilon holds:
   recompute the noise and subtract it, so they are NEVER part of a model
   artifact: ``StepKeys`` is deliberately not trackable (no TF checkpoint,
   SavedModel, ``.keras``, ``.h5`` or ``get_config`` can reach it), a new
-  process draws its keys from OS entropy, and a seeded stream that meets
-  restored weights is reseeded from OS entropy (``reseed_if_restored``).
+  process draws its keys from OS entropy, and a seeded stream is positioned
+  by the seed AND the model's state at its first step, so restored weights
+  give another stream, never a replay.
   Bit-reproducible seeded runs save and load the stream explicitly in a
   separate, secret run-state file (``save``/``load``).
 * **Distribution**: under a ``tf.distribute`` strategy each replica clips and
@@ -44,9 +45,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import tempfile
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -54,10 +54,14 @@ from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
 
-__all__ = ['PrivateAggregator', 'StepKeys', 'RANDOM_STATE_FORMAT']
+__all__ = ['PrivateAggregator', 'StepKeys', 'RANDOM_STATE_FORMAT',
+           'state_fingerprint']
 
 RANDOM_STATE_FORMAT = 'tf_twice.SecretRandomState'
 _MAX_SEED = 2**63
+# Second word of the SipHash key that positions a seeded stream.
+_STREAM_DOMAIN = 0x54776963654B6579  # 'TwiceKey'
+
 
 
 def _check_seed(seed) -> Optional[int]:
@@ -70,46 +74,115 @@ def _check_seed(seed) -> Optional[int]:
     return seed
 
 
+def state_fingerprint(variables: Sequence[tf.Variable],
+                      step: tf.Tensor) -> tf.Tensor:
+    """int64 words that change with the weights and the step count.
+
+    Per variable: the bits of its sum and of one fixed pseudo-random
+    projection (float64), plus the step. Restored, loaded or assigned weights
+    give other words, so a seeded stream positioned by them is another one.
+    """
+    words = [tf.cast(step, tf.int64)]
+    for variable in variables:
+        flat = tf.reshape(tf.cast(variable, tf.float64), [-1])
+        projection = tf.sin(tf.range(1, tf.size(flat) + 1, dtype=tf.float64))
+        for value in (tf.reduce_sum(flat), tf.reduce_sum(flat * projection)):
+            words.append(tf.bitcast(value, tf.int64))
+    return tf.stack(words)
+
+
 class StepKeys:
     """The stream of per-step Philox keys; never part of a model artifact.
 
     Not a ``tf.Module`` and not trackable, so Keras does not put it in
-    ``weights``, checkpoints, SavedModels or configs. The generator's state
-    variable is created outside any function graph; under a distribution
-    strategy keys are drawn in cross-replica context (``next_key``).
+    ``weights``, checkpoints, SavedModels or configs; it is neither copied
+    (a deep copy gets a fresh OS-entropy stream) nor pickled. Under a
+    distribution strategy keys are drawn in cross-replica context.
 
     Args:
       seed: None (default): keys from OS entropy, never reproducible. An
-        integer: a reproducible stream for experiments. A seeded stream is
-        reseeded from OS entropy when it meets restored weights without an
-        explicitly loaded run state (``reseed_if_restored``), so a resumed
-        run never replays the noise of the seed's first steps.
+        integer: a reproducible stream for experiments, positioned at its
+        first draw by a keyed hash of the seed and the model's state then
+        (``state_fingerprint``: weights and step count). The same seed on
+        the same initial model gives the same run; on weights restored,
+        loaded or assigned in any way it gives another stream, so a resumed
+        run never replays the noise of the seed's first steps. Only an
+        explicitly loaded run state (``load``) continues a stream.
     """
 
     def __init__(self, seed: Optional[int] = None) -> None:
         self._seed = _check_seed(seed)
         with tf.init_scope():
-            if seed is None:
-                self._generator = (
-                    tf.random.Generator.from_non_deterministic_state())
-            else:
-                self._generator = tf.random.Generator.from_seed(seed)
-        self._initial_state = self._state_list()
-        # True once the stream was set from a run-state file or reseeded:
-        # then it is not the seed's fresh stream any more.
-        self._repositioned = False
+            self._generator = (
+                tf.random.Generator.from_non_deterministic_state()
+                if seed is None else tf.random.Generator.from_seed(seed))
+            # An unseeded stream is positioned from birth; a seeded one at
+            # its first draw (by the model's state) or by ``set_state``.
+            self._positioned = tf.Variable(
+                seed is None, trainable=False, name='step_keys_positioned')
+            # Keys drawn: one per logical step, never rewound by a restore
+            # (the ledger counts steps with it).
+            self._draws = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                      name='step_keys_draws')
 
-    def _state_list(self) -> List[int]:
-        return [int(v) for v in self._generator.state.numpy()]
+    def __deepcopy__(self, memo):
+        # A copy of the state would replay every later key: a copy is a new
+        # OS-entropy stream instead.
+        return StepKeys(None)
+
+    def __reduce__(self):
+        raise TypeError(
+            'StepKeys are secret and are not pickled; save_random_state '
+            'writes them to a secret file on purpose.')
 
     @property
     def seeded(self) -> bool:
         """Whether the stream started from a user seed."""
         return self._seed is not None
 
-    def next_key(self) -> tf.Tensor:
+    @property
+    def draws(self) -> int:
+        """Keys drawn so far in this process (one per logical step)."""
+        return int(self._draws.numpy())
+
+    def _position(self, fingerprint_fn: Callable[[], tf.Tensor]) -> None:
+        """Sets a seeded stream from the seed and the model's state."""
+        text = tf.strings.reduce_join(
+            tf.strings.as_string(fingerprint_fn()), separator=',')
+        # SipHash keyed by the seed: a key from the seed and the state only.
+        key = tf.strings.to_hash_bucket_strong(
+            text, 2**62, key=[self._seed, _STREAM_DOMAIN])
+        self._generator.state.assign(
+            tf.stack([tf.constant(0, tf.int64), tf.constant(0, tf.int64),
+                      tf.cast(key, tf.int64)]))
+        self._positioned.assign(True)
+
+    def _draw(self, fingerprint_fn) -> tf.Tensor:
+        if self._seed is not None:
+            if fingerprint_fn is None:
+                raise ValueError('a seeded stream needs the model\'s state '
+                                 '(fingerprint_fn) at its first draw.')
+
+            def position():
+                self._position(fingerprint_fn)
+                return tf.constant(True)
+
+            positioned = tf.cond(self._positioned, lambda: tf.constant(True),
+                                 position)
+            with tf.control_dependencies([positioned]):
+                key = aggregation.draw_step_key(self._generator)
+        else:
+            key = aggregation.draw_step_key(self._generator)
+        with tf.control_dependencies([key]):
+            self._draws.assign_add(1)
+        return tf.identity(key)
+
+    def next_key(self, fingerprint_fn: Optional[Callable[[], tf.Tensor]]
+                 = None) -> tf.Tensor:
         """Draws the Philox key of one logical step (uint64, shape [1]).
 
+        ``fingerprint_fn`` returns the model's state words
+        (``state_fingerprint``); a seeded stream needs it at its first draw.
         In a replica context the key is drawn once, in cross-replica
         context, and every replica gets the same one (a generator drawn from
         in replica context of a strategy would give each replica a stream
@@ -117,39 +190,17 @@ class StepKeys:
         """
         context = tf.distribute.get_replica_context()
         if context is not None:
-            return context.merge_call(
-                lambda _: aggregation.draw_step_key(self._generator))
-        return aggregation.draw_step_key(self._generator)
-
-    def reseed_from_entropy(self) -> None:
-        """Moves the stream to a fresh state drawn from OS entropy."""
-        self._generator.reset_from_seed(secrets.randbelow(_MAX_SEED))
-        self._repositioned = True
-
-    def reseed_if_restored(self, steps_done: int) -> bool:
-        """Reseeds a fresh seeded stream that meets weights of a later step.
-
-        A seeded stream that has drawn no key in this process and whose
-        model has already taken ``steps_done`` > 0 steps (restored weights:
-        ``load_weights``, a checkpoint restore, ``BackupAndRestore``) would
-        replay the seed's first keys on top of noise already released.
-        Reseeding from OS entropy makes that impossible; load a secret run
-        state (``load``) to continue the seeded stream instead.
-
-        Returns:
-          Whether the stream was reseeded.
-        """
-        if (self._seed is None or self._repositioned or steps_done <= 0
-                or self._state_list() != self._initial_state):
-            return False
-        self.reseed_from_entropy()
-        return True
+            return context.merge_call(lambda _: self._draw(fingerprint_fn))
+        return self._draw(fingerprint_fn)
 
     def get_state(self) -> dict:
         """The stream's state: SECRET (it determines all future noise)."""
+        if not bool(self._positioned.numpy()):
+            raise ValueError('a seeded stream has no state before its first '
+                             'step: save it after training has started.')
         return {'format': RANDOM_STATE_FORMAT, 'version': 1,
                 'algorithm': int(self._generator.algorithm),
-                'state': self._state_list()}
+                'state': [int(v) for v in self._generator.state.numpy()]}
 
     def set_state(self, state: dict) -> None:
         """Continues the stream from ``get_state()``'s output."""
@@ -164,13 +215,13 @@ class StepKeys:
                 f'state holds algorithm {state["algorithm"]}, this stream '
                 f'uses {int(self._generator.algorithm)}.')
         values = state['state']
-        if (not isinstance(values, list) or len(values) != len(
-                self._initial_state) or not all(
-                    isinstance(v, int) for v in values)):
-            raise ValueError(f'state["state"] must be a list of '
-                             f'{len(self._initial_state)} integers.')
+        size = int(self._generator.state.shape[0])
+        if (not isinstance(values, list) or len(values) != size
+                or not all(isinstance(v, int) for v in values)):
+            raise ValueError(f'state["state"] must be a list of {size} '
+                             'integers.')
         self._generator.state.assign(tf.constant(values, tf.int64))
-        self._repositioned = True
+        self._positioned.assign(True)
 
     def save(self, path: str) -> None:
         """Writes the SECRET run state to ``path`` (atomically, mode 0600).
@@ -267,9 +318,14 @@ class PrivateAggregator(hybrid.BasisHolder):
         hybrid.check_basis_matches_variables(basis, variables)
         return basis, self._basis_variables.variables
 
-    def begin(self) -> tf.Tensor:
-        """Starts a logical batch: its key, shared by all replicas."""
-        return self._keys.next_key()
+    def begin(self, variables: Sequence[tf.Variable],
+              step: tf.Tensor) -> tf.Tensor:
+        """Starts a logical batch: its key, shared by all replicas.
+
+        ``variables`` and ``step`` (the model's trainable variables and
+        optimizer step count) position a seeded stream at its first draw.
+        """
+        return self._keys.next_key(lambda: state_fingerprint(variables, step))
 
     def zero_sums(self, variables: Sequence[tf.Variable]) -> hybrid.BlockSums:
         """Zero accumulators in the layout ``accumulate`` returns."""
