@@ -408,6 +408,48 @@ def test_optimizer_path_is_accounted_and_checked():
     assert int(model.optimizer.iterations) == 2
 
 
+class _FailingCallback(tf.keras.callbacks.Callback):
+    """Raises in on_train_batch_end of step ``at`` (a full disk, say)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self._at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations) == self._at:
+            raise OSError('disk full')
+
+
+def test_steps_of_an_interrupted_fit_are_charged(tmp_path):
+    # The failing callback runs before the ledger: step 3 ran, but the
+    # ledger's on_train_batch_end never saw it. It is charged at the next
+    # hook, and the state file never holds fewer steps than ran.
+    path = str(tmp_path / 'ledger.json')
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, num_examples=64, delta=DELTA,
+                                     state_path=path, save_every_steps=1,
+                                     verbose=0)
+    with pytest.raises(OSError, match='disk full'):
+        dp.fit(_data(steps=5), callbacks=[_FailingCallback(3), ledger],
+               verbose=0)
+    assert int(dp.optimizer.iterations) == 3
+    dp.fit(_data(steps=5, seed=2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == int(dp.optimizer.iterations) == 8
+    assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 8
+
+
+def test_custom_loop_steps_between_fits_are_charged():
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, num_examples=64, delta=DELTA,
+                                     verbose=0)
+    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=3, seed=3):
+        step(batch)
+    dp.fit(_data(steps=2, seed=4), callbacks=[ledger], verbose=0)
+    assert ledger.steps == int(dp.optimizer.iterations) == 7
+
+
 def test_ledger_alone_checks_a_dp_model():
     # Keras's own fit, without DPModel.fit's checks: the ledger still refuses.
     dp = _dp_model(linf_norm_clip=0.25)

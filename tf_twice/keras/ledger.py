@@ -48,8 +48,13 @@ and every callback listed AFTER the ledger (put `TensorBoard`/`CSVLogger`
 after it). With `log_dir`, the ledger also writes the scalar
 `epoch_epsilon` itself (step = epoch) with `tf.summary`.
 
-Steps are counted with the model's train counter, so only `fit` steps are
-seen; custom loops call `record_steps`.
+Steps are counted, for a tf_twice DP model, by its step keys: one key is
+drawn per logical step and no restore or `fit` call rewinds the count, so
+every step that ran is charged at the ledger's next hook, also a step whose
+`on_train_batch_end` never reached the ledger (an exception in an earlier
+callback) and steps of custom loops over `train_step` between `fit` calls.
+For other models the ledger counts Keras's per-`fit` train counter; their
+custom loops call `record_steps`.
 
 State file (JSON, `format` 'tf_twice.PrivacyLedger', `version` 1):
 
@@ -390,6 +395,8 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._log_dir = log_dir
         self._writer = None
         self._counter_seen = 0
+        # (model, keys drawn) when last charged, for tf_twice DP models.
+        self._draws_seen: Optional[Tuple[Any, int]] = None
         self._begin_step = None
         self._blocked = None
         self._stopped_by_budget = False
@@ -602,6 +609,24 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             return 1
         return max(1, int(spe.numpy()))
 
+    def _charge_drawn_keys(self) -> bool:
+        """Charges the steps a tf_twice DP model ran since the last charge.
+
+        Returns False for a model without step keys (then Keras's train
+        counter is used). The first call for a model only sets the baseline.
+        """
+        keys = getattr(getattr(self.model, 'aggregator', None), 'keys', None)
+        draws = getattr(keys, 'draws', None)
+        if draws is None:
+            return False
+        if self._draws_seen is None or self._draws_seen[0] is not self.model:
+            self._draws_seen = (self.model, draws)
+            return True
+        executed = draws - self._draws_seen[1]
+        self._draws_seen = (self.model, draws)
+        self._charge_counted(executed)
+        return True
+
     def _read_counter(self) -> Optional[int]:
         counter = getattr(self.model, '_train_counter', None)
         return None if counter is None else int(counter.numpy())
@@ -651,9 +676,13 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         guards.check_event_matches_model(self._event, self.model)
         self._unblock()
         self._stopped_by_budget = False
-        # The baseline is read before the first step, not here: a callback
-        # after this one (BackupAndRestore) may still restore the counter in
-        # its on_train_begin, and that jump is no step of this fit.
+        # Steps that ran unseen since the last hook (an interrupted fit, a
+        # custom loop) are charged now.
+        self._charge_drawn_keys()
+        # Keras's counter: the baseline is read before the first step, not
+        # here: a callback after this one (BackupAndRestore) may still
+        # restore the counter in its on_train_begin, and that jump is no
+        # step of this fit.
         self._counter_seen = None
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -680,25 +709,28 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             self._write(reserve=reserve)
 
     def on_train_batch_end(self, batch, logs=None):
-        counter = self._read_counter()
-        if counter is not None:
-            executed = counter - self._counter_seen
-            self._counter_seen = counter
-        elif self._blocked is not None:
-            executed = 0
-        else:
-            begin = batch if self._begin_step is None else self._begin_step
-            executed = batch - begin + 1
+        if not self._charge_drawn_keys():
+            counter = self._read_counter()
+            if counter is not None:
+                self._charge_counted(counter - self._counter_seen)
+                self._counter_seen = counter
+            elif self._blocked is None:
+                begin = (batch if self._begin_step is None
+                         else self._begin_step)
+                self._charge_counted(batch - begin + 1)
+        k = self._steps_per_execution()
+        if self._target is not None and not self.can_take(k):
+            self._stop(k)
+
+    def _charge_counted(self, executed: int) -> None:
         if executed > 0:
             self._compose(self._event, executed)
             if self._state_path is not None and (
                     self._steps > self._disk_steps):
                 self._write(reserve=0)  # More ran than was charged ahead.
-        k = self._steps_per_execution()
-        if self._target is not None and not self.can_take(k):
-            self._stop(k)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._charge_drawn_keys()
         eps = self.epsilon
         if logs is not None:
             logs['epsilon'] = eps
@@ -712,6 +744,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             self._write(reserve=0)
 
     def on_train_end(self, logs=None):
+        self._charge_drawn_keys()
         self._unblock()
         if self._state_path is not None:
             self._write(reserve=0)
