@@ -96,6 +96,20 @@ def test_normalisation_adapted_on_data_fails():
     guards.check_no_example_mixing(fixed)
 
 
+def test_adapted_lookup_and_stateful_layers_fail():
+    lookup = tf.keras.layers.IntegerLookup(name='ids')
+    lookup.adapt(np.array([7, 123456, 42]))
+    with pytest.raises(ValueError, match='ids.*adapted on data'):
+        guards.check_no_example_mixing(tf.keras.Sequential([lookup]))
+    rnn = tf.keras.Sequential([tf.keras.layers.SimpleRNN(
+        2, stateful=True, name='rnn', batch_input_shape=(4, 3, 1))])
+    with pytest.raises(ValueError, match='rnn.*stateful'):
+        guards.check_no_example_mixing(rnn)
+    guards.check_no_example_mixing(tf.keras.Sequential([
+        tf.keras.layers.SimpleRNN(2, input_shape=(3, 1)),
+        tf.keras.layers.IntegerLookup(vocabulary=[1, 2, 3])]))
+
+
 def test_check_no_example_mixing_rejects_non_models():
     with pytest.raises(ValueError, match='model'):
         guards.check_no_example_mixing('model')

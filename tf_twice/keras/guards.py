@@ -78,10 +78,6 @@ def _walk_layers(layer: Any, path: str) -> Iterator[Tuple[str, Any]]:
         yield from _walk_layers(child, f'{path}/{child.name}')
 
 
-# Keras preprocessing layers whose state can be learned from data by adapt().
-_ADAPTABLE_NORMALISATION = ('Normalization', 'Discretization')
-
-
 def _why_not_per_example(layer: Any) -> Optional[str]:
     """Why ``layer`` voids per-example sensitivity, or None if it does not.
 
@@ -90,10 +86,13 @@ def _why_not_per_example(layer: Any) -> Optional[str]:
       a batch, so one example changes every other example's gradient.
     * A layer that declares ``mixes_examples = True`` (the convention for
       custom layers that normalise or attend across the batch axis).
-    * A normalisation adapted on data (``Normalization``/``Discretization``
-      after ``adapt``): its statistics are a function of the data it saw,
-      released with the model and not accounted; if that data was private,
-      the guarantee is void.
+    * A stateful layer (``stateful=True``, e.g. a stateful RNN): its state
+      carries one example's data into other examples and later steps.
+    * A preprocessing layer adapted on data (``Normalization``,
+      ``Discretization``, ``IntegerLookup``, ``StringLookup``,
+      ``TextVectorization``... after ``adapt``): its statistics or
+      vocabulary are a function of the data it saw, released with the model
+      and not accounted; if that data was private, the guarantee is void.
     """
     names = [cls.__name__ for cls in type(layer).__mro__]
     if isinstance(layer, tf.keras.layers.BatchNormalization) or any(
@@ -106,12 +105,17 @@ def _why_not_per_example(layer: Any) -> Optional[str]:
         return ('declares mixes_examples = True: its output for one example '
                 'depends on other examples of the batch, so per-example '
                 'clipping does not bound any example\'s influence.')
-    if (type(layer).__name__ in _ADAPTABLE_NORMALISATION
-            and getattr(layer, 'is_adapted', False)):
-        return ('was adapted on data: its statistics are released with the '
-                'model and no accountant covers them. Give its parameters '
-                'explicitly (e.g. Normalization(mean=..., variance=...)) '
-                'computed from PUBLIC data, or normalise with constants.')
+    # A Model is stateful when one of its layers is: name that layer.
+    if getattr(layer, 'stateful', False) is True and not isinstance(
+            layer, tf.keras.Model):
+        return ('is stateful: its state carries one example\'s data into '
+                'other examples and later steps. Use stateful=False.')
+    if getattr(layer, 'is_adapted', False) is True:
+        return ('was adapted on data: its statistics or vocabulary are '
+                'released with the model and no accountant covers them. Give '
+                'its parameters explicitly (e.g. Normalization(mean=..., '
+                'variance=...), StringLookup(vocabulary=...)) computed from '
+                'PUBLIC data.')
     return None
 
 
