@@ -99,6 +99,23 @@ def test_resnet22_rows_are_isolated(path):
     _check_isolation(_private(inner, path), x, y)
 
 
+@pytest.mark.parametrize('label', [10, -1])
+def test_a_label_out_of_range_contributes_nothing(label):
+    # It neither aborts the step (which would reveal that the record was
+    # sampled, with every label of the batch in the error) nor touches the
+    # other rows.
+    x, y = _images(7, (8, 8, 1))
+    dp = _private(models.small_cnn((8, 8, 1), padding='same'), 'model')
+    initial = dp.get_weights()
+    without_bad = np.ones(len(x), np.float32)
+    without_bad[BAD_ROW] = 0.0
+    reference = _update(dp, initial, x, y, without_bad)
+    bad_y = y.copy()
+    bad_y[BAD_ROW] = label
+    got = _update(dp, initial, x, bad_y, np.ones(len(x), np.float32))
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-8)
+
+
 def test_a_batched_jacobian_is_not_isolated():
     # Why the optimizer path runs per example: tf_privacy's construction
     # (a Jacobian of the per-example losses of ONE batched forward pass)

@@ -103,21 +103,35 @@ def _per_example_loss_fn(loss: Any):
         raise ValueError(
             'DPModel supports a single loss (one model output), got '
             f'{type(loss).__name__}.')
-    if isinstance(loss, tf.keras.losses.Loss):
-        # Loss.call is the unreduced per-sample loss; the reduction setting
-        # is irrelevant here because every example is reduced on its own.
-        fn = loss.call
-    else:
-        fn = tf.keras.losses.get(loss)
-        if isinstance(fn, tf.keras.losses.Loss):
-            fn = fn.call
+    if not isinstance(loss, tf.keras.losses.Loss):
+        loss = tf.keras.losses.get(loss)
+    sparse = (isinstance(loss, tf.keras.losses.SparseCategoricalCrossentropy)
+              or loss is tf.keras.losses.sparse_categorical_crossentropy)
+    # Loss.call is the unreduced per-sample loss; the reduction setting is
+    # irrelevant here because every example is reduced on its own.
+    fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
 
     def per_example(y_true, y_pred):
         y_pred = tf.convert_to_tensor(y_pred)
         y_true = tf.cast(y_true, y_pred.dtype) if y_true.dtype.is_floating \
             else y_true
+        invalid = None
+        if sparse and y_pred.shape[-1] is not None:
+            # A label outside [0, classes) would abort the step (revealing
+            # that the record was sampled) with an error listing the labels
+            # of the batch; such a record contributes nothing instead.
+            labels = tf.cast(y_true, tf.int64)
+            valid = tf.logical_and(labels >= 0, labels < y_pred.shape[-1])
+            y_true = tf.where(valid, y_true, tf.zeros_like(y_true))
+            invalid = tf.logical_not(tf.reduce_all(tf.reshape(
+                valid, [tf.shape(valid)[0], -1]), axis=1))
         values = tf.convert_to_tensor(fn(y_true, y_pred))
         values = tf.cast(values, tf.float32)
+        if invalid is not None:
+            # The constant branch has zero gradient: no contribution.
+            values = tf.where(
+                tf.reshape(invalid, [-1] + [1] * (values.shape.rank - 1)),
+                tf.fill(tf.shape(values), float('nan')), values)
         if values.shape.rank is not None and values.shape.rank > 1:
             values = tf.reduce_mean(
                 values, axis=list(range(1, values.shape.rank)))
