@@ -42,8 +42,9 @@ for a release that relies on the guarantee.
 
 Checkpoints: with `--checkpoint_dir` the model and its optimizer are saved
 after every epoch (TensorFlow checkpoint `ckpt`; it holds no random state,
-so the noise cannot be recomputed from it and a resumed run draws fresh
-masks and noise from OS entropy, also with `--seed`), the
+so the noise cannot be recomputed from it; a resumed run draws fresh masks
+and noise, also with `--seed`, whose stream depends on the restored
+weights), the
 ledger's state file `privacy_ledger.json` is kept beside them, and `run.json`
 records the run's kind (and, for hybrid, its per-block clips and noise).
 Running the same command again resumes: it restores the latest checkpoint,
@@ -846,8 +847,8 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
             log_dir=config.tensorboard_dir, verbose=config.verbose)
     restored = None
     if has_checkpoint:
-        # Weights and optimizer state; the step keys are never saved, and a
-        # seeded model reseeds them from OS entropy here (no replay).
+        # Weights and optimizer state; the step keys are never saved (a
+        # seeded stream depends on the restored weights: no replay).
         restored = model.load_weights(
             tf.train.latest_checkpoint(config.checkpoint_dir))
         if basis is not None:

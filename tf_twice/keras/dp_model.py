@@ -452,6 +452,10 @@ class DPModel(tf.keras.Model):
         self._example_loss = _per_example_loss_fn(loss)
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
+        # A legacy optimizer creates its step counter on first use; the
+        # traced step reads it (a seeded stream's position), so it must
+        # exist before, in the strategy's scope.
+        _ = self.optimizer.iterations
         basis = self.basis
         if basis is not None and self.inner_model.built:
             hybrid.check_basis_matches_variables(

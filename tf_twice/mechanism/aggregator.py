@@ -145,31 +145,28 @@ class StepKeys:
         """Keys drawn so far in this process (one per logical step)."""
         return int(self._draws.numpy())
 
-    def _position(self, fingerprint_fn: Callable[[], tf.Tensor]) -> None:
-        """Sets a seeded stream from the seed and the model's state."""
-        text = tf.strings.reduce_join(
-            tf.strings.as_string(fingerprint_fn()), separator=',')
+    def _seeded_state(self, fingerprint: tf.Tensor) -> tf.Tensor:
+        """Philox state [0, 0, key] of the seed and the model's state."""
+        text = tf.strings.reduce_join(tf.strings.as_string(fingerprint),
+                                      separator=',')
         # SipHash keyed by the seed: a key from the seed and the state only.
         key = tf.strings.to_hash_bucket_strong(
             text, 2**62, key=[self._seed, _STREAM_DOMAIN])
-        self._generator.state.assign(
-            tf.stack([tf.constant(0, tf.int64), tf.constant(0, tf.int64),
-                      tf.cast(key, tf.int64)]))
-        self._positioned.assign(True)
+        zero = tf.constant(0, tf.int64)
+        return tf.stack([zero, zero, tf.cast(key, tf.int64)])
 
-    def _draw(self, fingerprint_fn) -> tf.Tensor:
+    def _draw(self, fingerprint: Optional[tf.Tensor]) -> tf.Tensor:
         if self._seed is not None:
-            if fingerprint_fn is None:
+            if fingerprint is None:
                 raise ValueError('a seeded stream needs the model\'s state '
-                                 '(fingerprint_fn) at its first draw.')
-
-            def position():
-                self._position(fingerprint_fn)
-                return tf.constant(True)
-
-            positioned = tf.cond(self._positioned, lambda: tf.constant(True),
-                                 position)
-            with tf.control_dependencies([positioned]):
+                                 '(fingerprint) at its first draw.')
+            # Computed at every step but used only at the first: a select,
+            # not a tf.cond, which cross-replica contexts do not support.
+            state = tf.where(self._positioned, self._generator.state,
+                             self._seeded_state(fingerprint))
+            with tf.control_dependencies([
+                    self._generator.state.assign(state),
+                    self._positioned.assign(True)]):
                 key = aggregation.draw_step_key(self._generator)
         else:
             key = aggregation.draw_step_key(self._generator)
@@ -177,11 +174,10 @@ class StepKeys:
             self._draws.assign_add(1)
         return tf.identity(key)
 
-    def next_key(self, fingerprint_fn: Optional[Callable[[], tf.Tensor]]
-                 = None) -> tf.Tensor:
+    def next_key(self, fingerprint: Optional[tf.Tensor] = None) -> tf.Tensor:
         """Draws the Philox key of one logical step (uint64, shape [1]).
 
-        ``fingerprint_fn`` returns the model's state words
+        ``fingerprint`` holds the model's state words
         (``state_fingerprint``); a seeded stream needs it at its first draw.
         In a replica context the key is drawn once, in cross-replica
         context, and every replica gets the same one (a generator drawn from
@@ -189,9 +185,16 @@ class StepKeys:
         of its own, different from the single-device one, even for R = 1).
         """
         context = tf.distribute.get_replica_context()
-        if context is not None:
-            return context.merge_call(lambda _: self._draw(fingerprint_fn))
-        return self._draw(fingerprint_fn)
+        if context is None:
+            return self._draw(fingerprint)
+
+        def draw(strategy, words):
+            # Mirrored variables give every replica the same words.
+            if words is not None:
+                words = strategy.experimental_local_results(words)[0]
+            return self._draw(words)
+
+        return context.merge_call(draw, args=(fingerprint,))
 
     def get_state(self) -> dict:
         """The stream's state: SECRET (it determines all future noise)."""
@@ -325,7 +328,9 @@ class PrivateAggregator(hybrid.BasisHolder):
         ``variables`` and ``step`` (the model's trainable variables and
         optimizer step count) position a seeded stream at its first draw.
         """
-        return self._keys.next_key(lambda: state_fingerprint(variables, step))
+        fingerprint = (state_fingerprint(variables, step)
+                       if self._keys.seeded else None)
+        return self._keys.next_key(fingerprint)
 
     def zero_sums(self, variables: Sequence[tf.Variable]) -> hybrid.BlockSums:
         """Zero accumulators in the layout ``accumulate`` returns."""
