@@ -80,13 +80,13 @@ import json
 import logging
 import math
 import os
-import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import dp_accounting
 import numpy as np
 import tensorflow as tf
 
+from tf_twice import _files as files
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.keras import guards
 
@@ -161,35 +161,6 @@ def event_from_json(obj: Mapping[str, Any]) -> dp_accounting.DpEvent:
 
 def _event_key(event: dp_accounting.DpEvent) -> str:
     return json.dumps(event_to_json(event), sort_keys=True)
-
-
-def _atomic_write_json(path: str, obj: Any) -> None:
-    """Writes `obj` to `path` so that a crash leaves the old or new file."""
-    path = os.path.abspath(path)
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.',
-                               suffix='.tmp', dir=directory)
-    try:
-        with os.fdopen(fd, 'w') as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # Make the rename itself durable (POSIX); best effort elsewhere.
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
 
 
 def _read_json(path: str) -> Dict[str, Any]:
@@ -593,12 +564,12 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         if path is None:
             raise ValueError('path is required when the ledger has no '
                              'state_path.')
-        _atomic_write_json(path, self.get_state())
+        files.atomic_write_json(path, self.get_state())
         if path == self._state_path:
             self._disk_steps = self._steps
 
     def _write(self, reserve: int) -> None:
-        _atomic_write_json(self._state_path, self._state(reserve))
+        files.atomic_write_json(self._state_path, self._state(reserve))
         self._disk_steps = self._steps + reserve
 
     # --- Keras hooks ------------------------------------------------------

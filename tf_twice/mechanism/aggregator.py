@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_twice import _files as files
 from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
@@ -234,20 +234,7 @@ class StepKeys:
         secret as the training data, apart from checkpoints and models,
         and delete it when the run is done.
         """
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix='.random_state.')
-        try:
-            os.chmod(tmp, 0o600)
-            with os.fdopen(fd, 'w') as f:
-                json.dump(self.get_state(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        files.atomic_write_json(os.fspath(path), self.get_state())
 
     def load(self, path: str) -> None:
         """Continues the stream from a file written by ``save``."""
