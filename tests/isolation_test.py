@@ -99,13 +99,22 @@ def test_resnet22_rows_are_isolated(path):
     _check_isolation(_private(inner, path), x, y)
 
 
+def _sparse_ce_function(y_true, y_pred):
+    return tf.keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True)
+
+
 @pytest.mark.parametrize('label', [10, -1])
-def test_a_label_out_of_range_contributes_nothing(label):
+@pytest.mark.parametrize('loss', ['object', 'function'])
+def test_a_label_out_of_range_contributes_nothing(label, loss):
     # It neither aborts the step (which would reveal that the record was
     # sampled, with every label of the batch in the error) nor touches the
-    # other rows.
+    # other rows, whatever loss reads the labels.
     x, y = _images(7, (8, 8, 1))
     dp = _private(models.small_cnn((8, 8, 1), padding='same'), 'model')
+    if loss == 'function':
+        dp.compile(optimizer=tf.keras.optimizers.SGD(LR),
+                   loss=_sparse_ce_function)
     initial = dp.get_weights()
     without_bad = np.ones(len(x), np.float32)
     without_bad[BAD_ROW] = 0.0

@@ -438,6 +438,22 @@ def test_steps_of_an_interrupted_fit_are_charged(tmp_path):
     assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 8
 
 
+def test_steps_of_a_replaced_dp_optimizer_are_charged():
+    # An interrupted fit, then a recompile with another DP optimizer (other
+    # step keys): the step the ledger did not see is still charged.
+    dp = _dp_optimizer_model()
+    ledger = PrivacyLedger.for_model(dp, num_examples=64, delta=DELTA,
+                                     verbose=0)
+    with pytest.raises(OSError, match='disk full'):
+        dp.fit(_data(steps=5), callbacks=[_FailingCallback(3), ledger],
+               verbose=0)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        learning_rate=0.05, **DP_PARAMS),
+        loss=tf.keras.losses.MeanSquaredError())
+    dp.fit(_data(steps=2, seed=2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 3 + 2
+
+
 def test_custom_loop_steps_between_fits_are_charged():
     dp = _dp_model()
     ledger = PrivacyLedger.for_model(dp, num_examples=64, delta=DELTA,

@@ -105,8 +105,6 @@ def _per_example_loss_fn(loss: Any):
             f'{type(loss).__name__}.')
     if not isinstance(loss, tf.keras.losses.Loss):
         loss = tf.keras.losses.get(loss)
-    sparse = (isinstance(loss, tf.keras.losses.SparseCategoricalCrossentropy)
-              or loss is tf.keras.losses.sparse_categorical_crossentropy)
     # Loss.call is the unreduced per-sample loss; the reduction setting is
     # irrelevant here because every example is reduced on its own.
     fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
@@ -116,7 +114,7 @@ def _per_example_loss_fn(loss: Any):
         y_true = tf.cast(y_true, y_pred.dtype) if y_true.dtype.is_floating \
             else y_true
         invalid = None
-        if sparse and y_pred.shape[-1] is not None:
+        if _are_class_indices(y_true, y_pred):
             # A label outside [0, classes) would abort the step (revealing
             # that the record was sampled) with an error listing the labels
             # of the batch; such a record contributes nothing instead.
@@ -138,6 +136,18 @@ def _per_example_loss_fn(loss: Any):
         return values
 
     return per_example
+
+
+def _are_class_indices(y_true: tf.Tensor, y_pred: tf.Tensor) -> bool:
+    """Whether ``y_true`` holds class indices into ``y_pred``'s last axis:
+    integer labels one rank below predictions over C > 1 classes (or with a
+    trailing axis of 1), whatever the loss that reads them."""
+    classes = y_pred.shape[-1] if y_pred.shape.rank else None
+    if y_true.dtype.is_floating or classes is None or classes < 2:
+        return False
+    rank, pred_rank = y_true.shape.rank, y_pred.shape.rank
+    return rank == pred_rank - 1 or (rank == pred_rank
+                                     and y_true.shape[-1] == 1)
 
 
 def _example_weights(sample_weight, size: tf.Tensor) -> tf.Tensor:
@@ -456,6 +466,11 @@ class DPModel(tf.keras.Model):
         # traced step reads it (a seeded stream's position), so it must
         # exist before, in the strategy's scope.
         _ = self.optimizer.iterations
+        if self.inner_model.built:
+            # A seeded stream follows its seed only from this state.
+            self.aggregator.keys.record_start(aggregator_lib.state_fingerprint(
+                self.inner_model.trainable_variables,
+                self.optimizer.iterations))
         basis = self.basis
         if basis is not None and self.inner_model.built:
             hybrid.check_basis_matches_variables(

@@ -366,8 +366,10 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._log_dir = log_dir
         self._writer = None
         self._counter_seen = 0
-        # (model, keys drawn) when last charged, for tf_twice DP models.
-        self._draws_seen: Optional[Tuple[Any, int]] = None
+        # Keys drawn and charged, per step-key stream of a tf_twice DP model
+        # (a recompile with another DP optimizer brings another stream).
+        # Held strongly: a replaced stream's uncharged steps must be read.
+        self._charged_draws: Dict[int, List[Any]] = {}
         self._begin_step = None
         self._blocked = None
         self._stopped_by_budget = False
@@ -581,20 +583,25 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         return max(1, int(spe.numpy()))
 
     def _charge_drawn_keys(self) -> bool:
-        """Charges the steps a tf_twice DP model ran since the last charge.
+        """Charges the steps tf_twice DP models ran since the last charge.
 
-        Returns False for a model without step keys (then Keras's train
-        counter is used). The first call for a model only sets the baseline.
+        Every stream of step keys the ledger has seen is read, so the steps
+        a replaced stream drew (an optimizer swapped by a recompile) are not
+        lost. The first stream seen starts at its count then (earlier steps
+        are not this ledger's); a stream seen later starts at 0 (it can
+        only over-charge). Returns False for a model without step keys.
         """
         keys = getattr(getattr(self.model, 'aggregator', None), 'keys', None)
-        draws = getattr(keys, 'draws', None)
-        if draws is None:
+        if getattr(keys, 'draws', None) is None:
             return False
-        if self._draws_seen is None or self._draws_seen[0] is not self.model:
-            self._draws_seen = (self.model, draws)
-            return True
-        executed = draws - self._draws_seen[1]
-        self._draws_seen = (self.model, draws)
+        if id(keys) not in self._charged_draws:
+            start = keys.draws if not self._charged_draws else 0
+            self._charged_draws[id(keys)] = [keys, start]
+        executed = 0
+        for entry in self._charged_draws.values():
+            draws = entry[0].draws
+            executed += draws - entry[1]
+            entry[1] = draws
         self._charge_counted(executed)
         return True
 
@@ -650,6 +657,14 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         # Steps that ran unseen since the last hook (an interrupted fit, a
         # custom loop) are charged now.
         self._charge_drawn_keys()
+        keys = getattr(getattr(self.model, 'aggregator', None), 'keys', None)
+        if getattr(keys, 'seeded', False) and self._verbose:
+            _LOGGER.warning(
+                'PrivacyLedger: the model\'s masks and noise are SEEDED. The '
+                'epsilon holds only if the seed is secret and used for this '
+                'one run: the same seed on the same weights gives the same '
+                'noise, and two releases with the same noise reveal their '
+                'noise-free difference. Leave seed=None for a release.')
         # Keras's counter: the baseline is read before the first step, not
         # here: a callback after this one (BackupAndRestore) may still
         # restore the counter in its on_train_begin, and that jump is no

@@ -20,9 +20,9 @@ whether the accountant's epsilon holds:
   recompute the noise and subtract it, so they are NEVER part of a model
   artifact: ``StepKeys`` is deliberately not trackable (no TF checkpoint,
   SavedModel, ``.keras``, ``.h5`` or ``get_config`` can reach it), a new
-  process draws its keys from OS entropy, and a seeded stream is positioned
-  by the seed AND the model's state at its first step, so restored weights
-  give another stream, never a replay.
+  process draws its keys from OS entropy, and a seeded stream follows its
+  seed only from a fresh start (step 0, the weights it was compiled with); a
+  resumed or forked run takes OS entropy, never a replay.
   Bit-reproducible seeded runs save and load the stream explicitly in a
   separate, secret run-state file (``save``/``load``).
 * **Distribution**: under a ``tf.distribute`` strategy each replica clips and
@@ -101,13 +101,17 @@ class StepKeys:
 
     Args:
       seed: None (default): keys from OS entropy, never reproducible. An
-        integer: a reproducible stream for experiments, positioned at its
-        first draw by a keyed hash of the seed and the model's state then
-        (``state_fingerprint``: weights and step count). The same seed on
-        the same initial model gives the same run; on weights restored,
-        loaded or assigned in any way it gives another stream, so a resumed
-        run never replays the noise of the seed's first steps. Only an
-        explicitly loaded run state (``load``) continues a stream.
+        integer: a reproducible stream for experiments. It is positioned at
+        its first draw: from a fresh start (step count 0 and the weights the
+        model had when compiled, ``record_start``) by a keyed hash of the
+        seed and the model's weights (``state_fingerprint``), so the same
+        seed on the same initial model gives the same run; from anything
+        else (a resumed or forked run, weights loaded or assigned after
+        compile) by OS entropy, so no two runs from one checkpoint share
+        noise.
+        Only an explicitly loaded run state (``load``) continues a stream.
+        A seed must be secret and used for one run only: the same seed on
+        the same weights and other data gives the same noise.
     """
 
     def __init__(self, seed: Optional[int] = None) -> None:
@@ -120,6 +124,8 @@ class StepKeys:
             # its first draw (by the model's state) or by ``set_state``.
             self._positioned = tf.Variable(
                 seed is None, trainable=False, name='step_keys_positioned')
+            # The model's state words when it was compiled (record_start).
+            self._start = None
             # Keys drawn: one per logical step, never rewound by a restore
             # (the ledger counts steps with it).
             self._draws = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -145,6 +151,11 @@ class StepKeys:
         """Keys drawn so far in this process (one per logical step)."""
         return int(self._draws.numpy())
 
+    def record_start(self, fingerprint: tf.Tensor) -> None:
+        """Records the model's state words at compile time: a seeded stream
+        follows its seed only if its first step starts from this state."""
+        self._start = tf.constant(fingerprint.numpy())
+
     def _seeded_state(self, fingerprint: tf.Tensor) -> tf.Tensor:
         """Philox state [0, 0, key] of the seed and the model's state."""
         text = tf.strings.reduce_join(tf.strings.as_string(fingerprint),
@@ -160,10 +171,23 @@ class StepKeys:
             if fingerprint is None:
                 raise ValueError('a seeded stream needs the model\'s state '
                                  '(fingerprint) at its first draw.')
+            # The seed decides the stream only for a fresh start: the state
+            # recorded when the model was compiled (``record_start``), at
+            # step 0. Any other first draw (a resume, a fork of a checkpoint,
+            # weights loaded after compile) takes OS entropy, so two runs
+            # from one checkpoint never share noise.
+            fresh = tf.constant(False)
+            if self._start is not None and self._start.shape == (
+                    fingerprint.shape):
+                fresh = tf.logical_and(
+                    tf.equal(fingerprint[0], 0),
+                    tf.reduce_all(tf.equal(fingerprint, self._start)))
+            start = tf.where(fresh, self._seeded_state(fingerprint),
+                             tf.raw_ops.NonDeterministicInts(
+                                 shape=[3], dtype=tf.int64))
             # Computed at every step but used only at the first: a select,
             # not a tf.cond, which cross-replica contexts do not support.
-            state = tf.where(self._positioned, self._generator.state,
-                             self._seeded_state(fingerprint))
+            state = tf.where(self._positioned, self._generator.state, start)
             with tf.control_dependencies([
                     self._generator.state.assign(state),
                     self._positioned.assign(True)]):
