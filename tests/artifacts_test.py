@@ -158,6 +158,34 @@ def test_seeded_resume_does_not_replay_noise(tmp_path, kind, path):
         assert abs(np.corrcoef(a, b)[0, 1]) < 0.5
 
 
+@pytest.mark.parametrize('path', ['model', 'optimizer'])
+def test_forks_that_load_before_compile_share_no_noise(tmp_path, path):
+    # The natural fork: wrap, load the checkpoint, compile, train. The seed
+    # follows the state the model was wrapped with, not the loaded one.
+    dp = _dp_model(seed=SEED, path=path)
+    released = _noise_of_next_step(dp)
+    weights = str(tmp_path / 'model.weights.h5')
+    dp.save_weights(weights)
+    forks = []
+    for _ in range(2):
+        if path == 'model':
+            fork = make_private(tiny_models.mlp(), physical_batch_size=4,
+                                seed=SEED, **DP)
+            fork(_EMPTY[0])
+            fork.load_weights(weights)
+            fork.compile(optimizer=tf.keras.optimizers.SGD(1.0),
+                         loss=_loss())
+        else:
+            fork = make_private(tiny_models.mlp(), physical_batch_size=4)
+            fork(_EMPTY[0])
+            fork.load_weights(weights)
+            fork.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+                learning_rate=1.0, seed=SEED, **DP), loss=_loss())
+        forks.append(_noise_of_next_step(fork))
+    for a, b in [(forks[0], forks[1]), (forks[0], released)]:
+        assert abs(np.corrcoef(a, b)[0, 1]) < 0.5
+
+
 # BackupAndRestore and ModelCheckpoint resumes of a seeded run: see
 # crash_resume_test.
 

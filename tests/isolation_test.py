@@ -105,7 +105,7 @@ def _sparse_ce_function(y_true, y_pred):
 
 
 @pytest.mark.parametrize('label', [10, -1])
-@pytest.mark.parametrize('loss', ['object', 'function'])
+@pytest.mark.parametrize('loss', ['object', 'function', 'float_labels'])
 def test_a_label_out_of_range_contributes_nothing(label, loss):
     # It neither aborts the step (which would reveal that the record was
     # sampled, with every label of the batch in the error) nor touches the
@@ -115,6 +115,8 @@ def test_a_label_out_of_range_contributes_nothing(label, loss):
     if loss == 'function':
         dp.compile(optimizer=tf.keras.optimizers.SGD(LR),
                    loss=_sparse_ce_function)
+    if loss == 'float_labels':  # Class indices stored as floats.
+        y = y.astype(np.float32)
     initial = dp.get_weights()
     without_bad = np.ones(len(x), np.float32)
     without_bad[BAD_ROW] = 0.0

@@ -452,6 +452,19 @@ def test_steps_of_a_replaced_dp_optimizer_are_charged():
         loss=tf.keras.losses.MeanSquaredError())
     dp.fit(_data(steps=2, seed=2), callbacks=[ledger], verbose=0)
     assert ledger.steps == 3 + 2
+    # An optimizer the ledger never saw: compiled, used in a custom loop,
+    # replaced. The model keeps its key stream, so its steps are charged.
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        learning_rate=0.05, **DP_PARAMS),
+        loss=tf.keras.losses.MeanSquaredError())
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=3, seed=3):
+        step(batch)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        learning_rate=0.05, **DP_PARAMS),
+        loss=tf.keras.losses.MeanSquaredError())
+    dp.fit(_data(steps=2, seed=4), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 3 + 2 + 3 + 2
 
 
 def test_custom_loop_steps_between_fits_are_charged():

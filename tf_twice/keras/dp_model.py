@@ -105,6 +105,8 @@ def _per_example_loss_fn(loss: Any):
             f'{type(loss).__name__}.')
     if not isinstance(loss, tf.keras.losses.Loss):
         loss = tf.keras.losses.get(loss)
+    sparse = (isinstance(loss, tf.keras.losses.SparseCategoricalCrossentropy)
+              or loss is tf.keras.losses.sparse_categorical_crossentropy)
     # Loss.call is the unreduced per-sample loss; the reduction setting is
     # irrelevant here because every example is reduced on its own.
     fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
@@ -114,7 +116,8 @@ def _per_example_loss_fn(loss: Any):
         y_true = tf.cast(y_true, y_pred.dtype) if y_true.dtype.is_floating \
             else y_true
         invalid = None
-        if _are_class_indices(y_true, y_pred):
+        if (sparse and y_pred.shape[-1] is not None) or _are_class_indices(
+                y_true, y_pred):
             # A label outside [0, classes) would abort the step (revealing
             # that the record was sampled) with an error listing the labels
             # of the batch; such a record contributes nothing instead.
@@ -355,10 +358,20 @@ class DPModel(tf.keras.Model):
                 'basis, seed, linf_norm_clip and coordinate_sampling_rate '
                 'need l2_norm_clip, noise_multiplier and expected_batch_size; '
                 'with a tf_twice DP optimizer give them to the optimizer.')
-        # Not an attribute Keras tracks: the tracker's state must not show up
+        # Not attributes Keras tracks: the tracker's state must not show up
         # in ``weights`` or the saved weights of the wrapped model.
         object.__setattr__(self, '_loss_tracker',
                            tf.keras.metrics.Mean(name='loss'))
+        # The wrapped model's state words now: a seeded stream follows its
+        # seed only from this state (weights loaded later, before or after
+        # compile, start another stream). None for a model built later.
+        object.__setattr__(self, '_initial_state_words', (
+            aggregator_lib.state_fingerprint(
+                model.trainable_variables, tf.constant(0, tf.int64))
+            if model.built else None))
+        # Step-key streams of DP optimizers replaced by a recompile: the
+        # ledger still charges the steps they drew.
+        object.__setattr__(self, '_retired_keys', [])
         self._example_loss = None
 
     @property
@@ -396,6 +409,14 @@ class DPModel(tf.keras.Model):
         """Uses ``basis`` from the next step on, without retracing
         (``PrivateAggregator.set_basis``)."""
         self._require_aggregator().set_basis(basis)
+
+    @property
+    def key_streams(self) -> List[aggregator_lib.StepKeys]:
+        """Every step-key stream this model's steps have drawn from: those
+        of DP optimizers replaced by a recompile, then the current one."""
+        aggregator = self.aggregator
+        current = [] if aggregator is None else [aggregator.keys]
+        return list(self._retired_keys) + current
 
     def save_random_state(self, path: str) -> None:
         """Writes the SECRET state of the step keys to ``path``.
@@ -460,17 +481,17 @@ class DPModel(tf.keras.Model):
                 'DP optimizer, or give l2_norm_clip, noise_multiplier and '
                 'expected_batch_size to make_private.')
         self._example_loss = _per_example_loss_fn(loss)
+        previous = self.aggregator
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
+        if previous is not None and previous is not self.aggregator:
+            self._retired_keys.append(previous.keys)
         # A legacy optimizer creates its step counter on first use; the
         # traced step reads it (a seeded stream's position), so it must
         # exist before, in the strategy's scope.
         _ = self.optimizer.iterations
-        if self.inner_model.built:
-            # A seeded stream follows its seed only from this state.
-            self.aggregator.keys.record_start(aggregator_lib.state_fingerprint(
-                self.inner_model.trainable_variables,
-                self.optimizer.iterations))
+        if self._initial_state_words is not None:
+            self.aggregator.keys.record_start(self._initial_state_words)
         basis = self.basis
         if basis is not None and self.inner_model.built:
             hybrid.check_basis_matches_variables(
@@ -515,6 +536,10 @@ class DPModel(tf.keras.Model):
         own = {k: store[k] for k in store.keys()
                if not k.startswith(_LEGACY_OPTIMIZER_KEY)}
         super().load_own_variables(own)
+        if saved and getattr(self, 'optimizer', None) is None:
+            _LOGGER.warning('DPModel: not compiled yet, so the file\'s '
+                            'optimizer state was not loaded.')
+            return
         weights = self._legacy_optimizer_weights() or []
         if saved and not weights and self._legacy_optimizer_weights() \
                 is not None and self.inner_model.built:

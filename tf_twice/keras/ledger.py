@@ -585,18 +585,22 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
     def _charge_drawn_keys(self) -> bool:
         """Charges the steps tf_twice DP models ran since the last charge.
 
-        Every stream of step keys the ledger has seen is read, so the steps
-        a replaced stream drew (an optimizer swapped by a recompile) are not
-        lost. The first stream seen starts at its count then (earlier steps
-        are not this ledger's); a stream seen later starts at 0 (it can
-        only over-charge). Returns False for a model without step keys.
+        Every step-key stream of the model (``DPModel.key_streams``: those
+        of DP optimizers replaced by a recompile, then the current one) and
+        every stream seen before is read, so no stream's steps are lost.
+        The streams of the ledger's first sight start at their counts then
+        (earlier steps are not this ledger's); a stream seen later starts
+        at 0 (it can only over-charge). Returns False for a model without
+        step keys.
         """
-        keys = getattr(getattr(self.model, 'aggregator', None), 'keys', None)
-        if getattr(keys, 'draws', None) is None:
+        streams = getattr(self.model, 'key_streams', None)
+        if not streams:
             return False
-        if id(keys) not in self._charged_draws:
-            start = keys.draws if not self._charged_draws else 0
-            self._charged_draws[id(keys)] = [keys, start]
+        first_sight = not self._charged_draws
+        for keys in streams:
+            if id(keys) not in self._charged_draws:
+                start = keys.draws if first_sight else 0
+                self._charged_draws[id(keys)] = [keys, start]
         executed = 0
         for entry in self._charged_draws.values():
             draws = entry[0].draws

@@ -21,7 +21,7 @@ whether the accountant's epsilon holds:
   artifact: ``StepKeys`` is deliberately not trackable (no TF checkpoint,
   SavedModel, ``.keras``, ``.h5`` or ``get_config`` can reach it), a new
   process draws its keys from OS entropy, and a seeded stream follows its
-  seed only from a fresh start (step 0, the weights it was compiled with); a
+  seed only from a fresh start (step 0, the weights it was wrapped with); a
   resumed or forked run takes OS entropy, never a replay.
   Bit-reproducible seeded runs save and load the stream explicitly in a
   separate, secret run-state file (``save``/``load``).
@@ -103,11 +103,11 @@ class StepKeys:
       seed: None (default): keys from OS entropy, never reproducible. An
         integer: a reproducible stream for experiments. It is positioned at
         its first draw: from a fresh start (step count 0 and the weights the
-        model had when compiled, ``record_start``) by a keyed hash of the
+        model had when wrapped by ``make_private``, ``record_start``) by a keyed hash of the
         seed and the model's weights (``state_fingerprint``), so the same
         seed on the same initial model gives the same run; from anything
         else (a resumed or forked run, weights loaded or assigned after
-        compile) by OS entropy, so no two runs from one checkpoint share
+        wrapping) by OS entropy, so no two runs from one checkpoint share
         noise.
         Only an explicitly loaded run state (``load``) continues a stream.
         A seed must be secret and used for one run only: the same seed on
@@ -152,8 +152,8 @@ class StepKeys:
         return int(self._draws.numpy())
 
     def record_start(self, fingerprint: tf.Tensor) -> None:
-        """Records the model's state words at compile time: a seeded stream
-        follows its seed only if its first step starts from this state."""
+        """Records the model's state words when it was wrapped: a seeded
+        stream follows its seed only if its first step starts there."""
         self._start = tf.constant(fingerprint.numpy())
 
     def _seeded_state(self, fingerprint: tf.Tensor) -> tf.Tensor:
@@ -172,9 +172,9 @@ class StepKeys:
                 raise ValueError('a seeded stream needs the model\'s state '
                                  '(fingerprint) at its first draw.')
             # The seed decides the stream only for a fresh start: the state
-            # recorded when the model was compiled (``record_start``), at
+            # recorded when the model was wrapped (``record_start``), at
             # step 0. Any other first draw (a resume, a fork of a checkpoint,
-            # weights loaded after compile) takes OS entropy, so two runs
+            # weights loaded after wrapping) takes OS entropy, so two runs
             # from one checkpoint never share noise.
             fresh = tf.constant(False)
             if self._start is not None and self._start.shape == (
