@@ -49,10 +49,10 @@ Secrets: the step keys that determine every mask and all noise live in the
 model's ``PrivateAggregator`` and are never part of a model artifact (TF
 checkpoints, ``.weights.h5``, ``.h5``, ``.keras``, SavedModel,
 ``get_config``): whoever holds an artifact cannot recompute the noise. A new
-process draws fresh keys from OS entropy; a seeded model's stream is
-positioned by the seed and the model's state (weights, step count) at its
-first step, so restored, loaded or assigned weights give another stream and a
-resumed run never replays noise. A bit-reproducible seeded run instead saves
+process draws fresh keys from OS entropy; a seeded model follows its seed
+only from a fresh start (step 0, the weights it was wrapped with), so
+restored, loaded or assigned weights take OS entropy and a resumed or forked
+run never replays noise. A bit-reproducible seeded run instead saves
 and loads its stream in a separate, SECRET file (``save_random_state`` /
 ``load_random_state``).
 
