@@ -1,0 +1,172 @@
+"""TwiceSamplingConfig: validation once, and everything derived from it."""
+
+import json
+import math
+import subprocess
+import sys
+
+import dp_accounting
+import pytest
+
+from tf_twice import config as config_lib
+from tf_twice.config import Block, TwiceSamplingConfig
+
+N = 60_000
+
+
+def _single(**overrides):
+    kwargs = dict(num_examples=N, expected_batch_size=256,
+                  coordinate_sampling_rate=0.5, l2_norm_clip=1.0,
+                  linf_norm_clip=0.1, noise_multiplier=1.1)
+    kwargs.update(overrides)
+    return TwiceSamplingConfig.single(**kwargs)
+
+
+def test_importing_the_config_does_not_import_tensorflow():
+    code = ('import sys, tf_twice, tf_twice.config; '
+            'print("tensorflow" in sys.modules)')
+    out = subprocess.run([sys.executable, '-c', code], check=True,
+                         capture_output=True, text=True).stdout
+    assert out.strip() == 'False'
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(num_examples=0), r'num_examples must be an integer >= 1'),
+    (dict(num_examples=2.5), r'num_examples must be an integer'),
+    (dict(expected_batch_size=0), r'expected_batch_size must be a finite'),
+    (dict(expected_batch_size=N + 1), r'expected_batch_size must be in \(0, '
+                                      r'num_examples = 60000\]'),
+    (dict(coordinate_sampling_rate=0), r'coordinate_sampling_rate must be in '
+                                       r'\(0, 1\]'),
+    (dict(coordinate_sampling_rate=1.5), r'coordinate_sampling_rate'),
+    (dict(coordinate_sampling_rate=2**-17), r'mask resolution'),
+    (dict(l2_norm_clip=-1), r'l2_norm_clip must be a finite number > 0'),
+    (dict(l2_norm_clip=math.inf), r'l2_norm_clip must be finite'),
+    (dict(linf_norm_clip=0), r'linf_norm_clip must be a finite number > 0'),
+    (dict(noise_multiplier=-0.1), r'noise_multiplier must be a finite '
+                                  r'number >= 0'),
+    (dict(noise_multiplier=True), r'noise_multiplier must be a real number'),
+    (dict(noise_multiplier=0.0), r'non_private=True'),
+])
+def test_bad_settings_name_the_argument_and_range(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _single(**overrides)
+
+
+def test_the_config_is_frozen():
+    config = _single()
+    with pytest.raises(AttributeError):
+        config.num_examples = 10
+    with pytest.raises(AttributeError):
+        config.blocks[0].noise_multiplier = 0.0
+
+
+def test_blocks_must_be_blocks():
+    with pytest.raises(ValueError, match=r'blocks\[1\] must be a tf_twice'):
+        TwiceSamplingConfig(num_examples=N, expected_batch_size=10,
+                            blocks=(Block(l2_norm_clip=1.0), 1.0))
+    with pytest.raises(ValueError, match='between 1 and'):
+        TwiceSamplingConfig(num_examples=N, expected_batch_size=10,
+                            blocks=())
+
+
+def test_derived_rates():
+    config = _single(coordinate_sampling_rate=0.3)
+    assert config.example_sampling_rate == 256 / N
+    assert config.effective_coordinate_sampling_rate == (
+        math.floor(0.3 * 2**16) / 2**16)
+    assert config.mask_bits == 16
+    assert _single(coordinate_sampling_rate=0.5).mask_bits == 1
+    assert _single(coordinate_sampling_rate=0.25).mask_bits == 2
+    assert _single(coordinate_sampling_rate=1.0).mask_bits == 1
+
+
+def test_one_block_event_has_scalar_fields():
+    assert _single().dp_event() == (
+        config_lib.accounting.TwiceSampledGaussianDpEvent(
+            example_sampling_rate=256 / N, coordinate_sampling_rate=0.5,
+            noise_multiplier=1.1, l2_norm_clip=1.0, linf_norm_clip=0.1))
+
+
+def test_several_blocks_give_tuples_with_dimensions():
+    config = TwiceSamplingConfig(
+        num_examples=N, expected_batch_size=256, coordinate_sampling_rate=0.5,
+        blocks=(Block(l2_norm_clip=0.6, noise_multiplier=2.0,
+                      linf_norm_clip=0.2),
+                Block(l2_norm_clip=0.3, noise_multiplier=3.0)),
+    ).with_dimensions((16, 1000))
+    event = config.dp_event()
+    assert event.l2_norm_clip == (0.6, 0.3)
+    assert event.noise_multiplier == (2.0, 3.0)
+    assert event.linf_norm_clip == (0.2, None)
+    assert event.block_dimensions == (16, 1000)
+
+
+def test_with_dimensions_refuses_other_block_counts_and_conflicts():
+    config = _single()
+    with pytest.raises(ValueError, match='the basis has 2 blocks'):
+        config.with_dimensions((3, 4))
+    config = config.with_dimensions((100,))
+    with pytest.raises(ValueError, match='dimension is 100'):
+        config.with_dimensions((200,))
+
+
+def test_standard_dp_sgd_epsilon_equals_dp_accounting():
+    # q2 = 1 without an l-infinity clip is the Poisson-subsampled Gaussian:
+    # dp_accounting's own RDP accountant is an independent computation.
+    config = _single(coordinate_sampling_rate=1.0, linf_norm_clip=None,
+                     noise_multiplier=1.1)
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        256 / N, dp_accounting.GaussianDpEvent(1.1)), 2000)
+    assert config.epsilon(2000, 1e-5) == pytest.approx(
+        accountant.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_twice_sampling_spends_less_than_dp_sgd_at_the_same_noise():
+    assert _single().epsilon(2000, 1e-5) < _single(
+        coordinate_sampling_rate=1.0, linf_norm_clip=None).epsilon(2000, 1e-5)
+
+
+def test_calibrate_meets_the_target_tightly():
+    template = _single(noise_multiplier=None)
+    assert not template.is_calibrated
+    with pytest.raises(ValueError, match='calibrate'):
+        template.dp_event()
+    config = template.calibrate(target_epsilon=3.0, delta=1e-5, steps=2000)
+    z = config.noise_multipliers[0]
+    assert 2.97 <= config.epsilon(2000, 1e-5) <= 3.0
+    # A little less noise would miss the target.
+    assert config.with_noise_multipliers((0.98 * z,)).epsilon(
+        2000, 1e-5) > 3.0
+
+
+def test_non_private_needs_the_switch_and_cannot_be_accounted():
+    config = _single(noise_multiplier=0.0, non_private=True)
+    for call in (config.dp_event, lambda: config.epsilon(10, 1e-5),
+                 lambda: config.calibrate(target_epsilon=1.0, delta=1e-5,
+                                          steps=10)):
+        with pytest.raises(ValueError, match='non_private'):
+            call()
+
+
+def test_steps_for_epochs():
+    config = _single(expected_batch_size=250, num_examples=1000)
+    assert config.steps_for_epochs(3) == 12
+    assert config.steps_for_epochs(0.1) == 1
+    with pytest.raises(ValueError, match='epochs must be'):
+        config.steps_for_epochs(0)
+
+
+def test_dict_round_trip_through_json():
+    config = TwiceSamplingConfig(
+        num_examples=N, expected_batch_size=100.5,
+        coordinate_sampling_rate=0.25,
+        blocks=(Block(l2_norm_clip=0.6, noise_multiplier=2.0, dimension=7),
+                Block(l2_norm_clip=0.3, noise_multiplier=None,
+                      linf_norm_clip=0.01)))
+    restored = TwiceSamplingConfig.from_dict(
+        json.loads(json.dumps(config.to_dict())))
+    assert restored == config
+    with pytest.raises(ValueError, match='TwiceSamplingConfig version 1'):
+        TwiceSamplingConfig.from_dict({'num_examples': 3})

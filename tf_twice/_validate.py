@@ -1,0 +1,69 @@
+"""Argument validators: each names the argument and the allowed range.
+
+TF-free and import-free, so every layer (config, accounting, mechanism,
+keras, the training script) can use the same checks and messages.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional
+
+__all__ = ['integer', 'non_negative', 'positive', 'probability', 'rate',
+           'real']
+
+
+def real(name: str, value: Any) -> float:
+    """``value`` as a finite float; ValueError otherwise (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f'{name} must be a real number; got {value!r}.')
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f'{name} must be finite; got {value!r}.')
+    return value
+
+
+def positive(name: str, value: Any) -> float:
+    """A finite float > 0."""
+    value = real(name, value)
+    if value <= 0:
+        raise ValueError(f'{name} must be a finite number > 0; got {value}.')
+    return value
+
+
+def non_negative(name: str, value: Any) -> float:
+    """A finite float >= 0."""
+    value = real(name, value)
+    if value < 0:
+        raise ValueError(f'{name} must be a finite number >= 0; got {value}.')
+    return value
+
+
+def rate(name: str, value: Any) -> float:
+    """A sampling rate in (0, 1]."""
+    value = real(name, value)
+    if not 0 < value <= 1:
+        raise ValueError(f'{name} must be in (0, 1]; got {value}.')
+    return value
+
+
+def probability(name: str, value: Any) -> float:
+    """A probability in the open interval (0, 1), e.g. delta."""
+    value = real(name, value)
+    if not 0 < value < 1:
+        raise ValueError(f'{name} must be in (0, 1); got {value}.')
+    return value
+
+
+def integer(name: str, value: Any, low: int,
+            high: Optional[int] = None) -> int:
+    """An integer in [low, high] (high None: no upper bound)."""
+    allowed = (f'an integer >= {low}' if high is None
+               else f'an integer in [{low}, {high}]')
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f'{name} must be {allowed}; got {value!r}.')
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        raise ValueError(f'{name} must be {allowed}; got {value}.')
+    return value
