@@ -225,7 +225,6 @@ def _one_example_batch(t) -> tf.Tensor:
 def audit_one_step(model: tf.keras.Model,
                    canary: Tuple[Any, Any],
                    *,
-                   num_examples: int,
                    num_trials: int,
                    delta: float,
                    background: Optional[Tuple[Any, Any]] = None,
@@ -238,9 +237,9 @@ def audit_one_step(model: tf.keras.Model,
 
     World 0 runs the step on the background records D, world 1 on D plus
     the canary; every record of a world (the canary too) joins the logical
-    batch independently with probability q1 = expected_batch_size /
-    ``num_examples`` (a record that does not join has sample_weight 0), as
-    Poisson sampling of a dataset of ``num_examples`` records does. The score
+    batch independently with probability q1 = expected_batch_size / n (the
+    model config's; a record that does not join has sample_weight 0), as
+    Poisson sampling of a dataset of n records does. The score
     of a trial is the projection of the weight change w_before - w_after on
     ``direction``; larger scores mean "canary". The first
     ``selection_fraction`` of each world's trials chooses the threshold
@@ -248,11 +247,10 @@ def audit_one_step(model: tf.keras.Model,
 
     Args:
       model: a compiled ``tf_twice.keras.DPModel`` (or a model with the same
-        ``train_step(data)`` and ``dp_event(n)`` API). Its weights and
+        ``train_step(data)`` and ``dp_event()`` API). Its weights and
         optimizer state are restored afterwards; its random generator
         advances.
       canary: ``(x, y)`` of ONE record, without a batch dimension.
-      num_examples: n, the dataset size the step is accounted for.
       num_trials: trials per world, >= 2 (a few thousand bound epsilon up to
         about log(num_trials)).
       delta: the delta of the bound and of the accountant's epsilon.
@@ -263,7 +261,7 @@ def audit_one_step(model: tf.keras.Model,
         loss gradient at the current weights (its clipped contribution
         points there when no other record shares its coordinates).
       claimed_event: the DpEvent whose one-step epsilon is reported as
-        ``accountant_epsilon``; default ``model.dp_event(num_examples)``.
+        ``accountant_epsilon``; default ``model.dp_event()``.
       confidence: of the bound, in (0, 1).
       selection_fraction: share of the trials that choose the threshold, in
         (0, 1).
@@ -289,7 +287,7 @@ def audit_one_step(model: tf.keras.Model,
                         num_trials - 1)
     if getattr(model, 'optimizer', None) is None:
         raise ValueError('audit_one_step needs a compiled model.')
-    event = model.dp_event(num_examples)
+    event = model.dp_event()
     q1 = float(event.example_sampling_rate)
     if claimed_event is None:
         claimed_event = event

@@ -42,7 +42,7 @@ from tf_twice.accounting import conversion as conversion_lib
 
 __all__ = ['Block', 'MASK_PRECISION_BITS', 'MAX_BLOCKS',
            'TwiceSamplingConfig', 'effective_coordinate_sampling_rate',
-           'mask_bits_per_coordinate']
+           'mask_bits_per_coordinate', 'steps_per_epoch']
 
 # A mask entry compares a uniform integer of b <= 16 random bits with
 # rate * 2**b, so the keep probability is exactly the dyadic rate
@@ -83,7 +83,14 @@ def mask_bits_per_coordinate(coordinate_sampling_rate: float) -> int:
     return MASK_PRECISION_BITS
 
 
-def _check_coordinate_sampling_rate(value: Any) -> float:
+def steps_per_epoch(example_sampling_rate: float) -> int:
+    """Steps of one epoch of Poisson sampling at rate q1: round(1 / q1)
+    (halves up), after which each example was used once in expectation."""
+    return max(1, int(math.floor(1.0 / example_sampling_rate + 0.5)))
+
+
+def check_coordinate_sampling_rate(value: Any) -> float:
+    """q2 in (0, 1] and at least the mask resolution 2**-16."""
     q2 = _validate.rate('coordinate_sampling_rate', value)
     if effective_coordinate_sampling_rate(q2) <= 0:
         raise ValueError(
@@ -165,7 +172,7 @@ class TwiceSamplingConfig:
     expected_batch_size: float = attr.ib(
         converter=lambda v: _validate.positive('expected_batch_size', v))
     coordinate_sampling_rate: float = attr.ib(
-        default=1.0, converter=_check_coordinate_sampling_rate)
+        default=1.0, converter=check_coordinate_sampling_rate)
     blocks: Tuple[Block, ...] = attr.ib(converter=_blocks_tuple)
     non_private: bool = attr.ib(default=False)
 
@@ -297,10 +304,16 @@ class TwiceSamplingConfig:
         exact RDP, then dp_accounting's conversion by default)."""
         return self.epsilon_and_optimal_order(steps, delta, **kwargs)[0]
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """round(1 / q1): steps after which each example was used once in
+        expectation (``steps_per_epoch`` above)."""
+        return steps_per_epoch(self.example_sampling_rate)
+
     def steps_for_epochs(self, epochs: float) -> int:
-        """Steps of ``epochs`` expected passes: ceil(epochs / q1)."""
+        """Steps of ``epochs`` epochs: ceil(epochs * steps_per_epoch)."""
         epochs = _validate.positive('epochs', epochs)
-        return max(1, math.ceil(epochs / self.example_sampling_rate - 1e-9))
+        return max(1, math.ceil(epochs * self.steps_per_epoch - 1e-9))
 
     def calibrate(self, *, target_epsilon: float, delta: float, steps: int,
                   orders: Optional[Sequence[float]] = None,

@@ -11,8 +11,9 @@ It runs through the per-example model path: wrap the model and compile the
 wrapper with the optimizer,
 
 ```python
-model = tf_twice.keras.make_private(model, physical_batch_size=64)
-model.compile(optimizer=TwiceSamplingDPKerasSGDOptimizer(...), loss=...)
+model = tf_twice.keras.DPModel(model, physical_batch_size=64)
+model.compile(optimizer=TwiceSamplingDPKerasSGDOptimizer(config, ...),
+              loss=...)
 ```
 
 Why not ``model.compile`` of a plain Keras model: Keras hands an optimizer
@@ -34,16 +35,16 @@ the optimizer (see ``tf_twice.mechanism.aggregator``).
 """
 
 import math
-from typing import Optional, Sequence, Type, Union
+from typing import Optional, Type
 
 import tensorflow as tf
 from tensorflow_privacy.privacy.optimizers import (
     dp_optimizer_keras_vectorized as tfp_vectorized)
 
-from tf_twice.mechanism import aggregation
+from tf_twice import _validate
+from tf_twice import config as config_lib
 from tf_twice.mechanism import aggregator as aggregator_lib
 from tf_twice.mechanism import basis as basis_lib
-from tf_twice.mechanism import hybrid
 
 __all__ = [
     'TwiceSamplingDPKerasAdagradOptimizer',
@@ -75,8 +76,8 @@ _BATCHED_LOSS_REFUSAL = (
     'feature would erase every other record\'s gradient, a change of up to '
     'B * l2_norm_clip that the accountant does not cover). Wrap the model '
     'and compile the wrapper with this optimizer: '
-    'model = tf_twice.keras.make_private(model, physical_batch_size=64); '
-    'model.compile(optimizer={name}(...), loss=...).')
+    'model = tf_twice.keras.DPModel(model); '
+    'model.compile(optimizer={name}(config, ...), loss=...).')
 
 
 def make_twice_sampling_optimizer_class(
@@ -107,13 +108,15 @@ def make_twice_sampling_optimizer_class(
         l2-clipped (c2), l-infinity clipped (c_inf), Bernoulli(q2)-masked
         per-example gradients plus N(0, (noise_multiplier * c2)^2) per
         coordinate, divided by expected_batch_size * q2. Compile a
-        ``tf_twice.keras.make_private`` wrapper with it:
+        ``tf_twice.keras.DPModel`` wrapper with it:
 
         ```python
-        opt = {class_name}(l2_norm_clip=1.0, linf_norm_clip=0.1,
-                           noise_multiplier=1.1, coordinate_sampling_rate=0.5,
-                           expected_batch_size=256, learning_rate=0.1)
-        private = tf_twice.keras.make_private(model, physical_batch_size=64)
+        config = tf_twice.TwiceSamplingConfig.single(
+            num_examples=len(x), expected_batch_size=256, l2_norm_clip=1.0,
+            linf_norm_clip=0.1, noise_multiplier=1.1,
+            coordinate_sampling_rate=0.5)
+        opt = {class_name}(config, learning_rate=0.1)
+        private = tf_twice.keras.DPModel(model, physical_batch_size=64)
         private.compile(optimizer=opt,
                         loss=tf.keras.losses.SparseCategoricalCrossentropy(
                             from_logits=True))
@@ -122,12 +125,7 @@ def make_twice_sampling_optimizer_class(
 
         def __init__(
             self,
-            l2_norm_clip: Union[float, Sequence[float]],
-            noise_multiplier: Union[float, Sequence[float]],
-            expected_batch_size: float,
-            linf_norm_clip: Union[None, float,
-                                  Sequence[Optional[float]]] = None,
-            coordinate_sampling_rate: float = 1.0,
+            config: config_lib.TwiceSamplingConfig,
             gradient_accumulation_steps: int = 1,
             seed: Optional[int] = None,
             *args,  # pylint: disable=keyword-arg-before-vararg
@@ -137,16 +135,8 @@ def make_twice_sampling_optimizer_class(
             """Initialises the optimizer.
 
             Args:
-              l2_norm_clip: c2 > 0, l2 bound of one example's gradient;
-                with a basis, c2_j per block (principal blocks, residual).
-              noise_multiplier: z >= 0; noise std per coordinate is z * c2;
-                with a basis, z_j per block.
-              expected_batch_size: n * q1, the expected number of examples
-                per logical batch (one step). The update is divided by
-                expected_batch_size * q2, never by the realised size.
-              linf_norm_clip: c_inf > 0 applied per coordinate after the l2
-                clip, or None; with a basis, None or one per block.
-              coordinate_sampling_rate: q2 in (0, 1].
+              config: the mechanism (``tf_twice.TwiceSamplingConfig``),
+                calibrated; with a basis, one Block per basis block.
               gradient_accumulation_steps: k >= 1. As in tf_privacy, every
                 step releases its own noised gradient and the weights change
                 every k-th step, by the mean of the last k released
@@ -167,33 +157,22 @@ def make_twice_sampling_optimizer_class(
                     'clipping is not covered by the twice-sampling analysis '
                     '(DPModel\'s physical_batch_size splits large batches '
                     'without changing the records).')
-            params = hybrid.block_params(
-                basis,
-                l2_norm_clip=l2_norm_clip,
-                noise_multiplier=noise_multiplier,
-                expected_batch_size=expected_batch_size,
-                linf_norm_clip=linf_norm_clip,
-                coordinate_sampling_rate=coordinate_sampling_rate)
-            if (isinstance(gradient_accumulation_steps, bool)
-                    or not isinstance(gradient_accumulation_steps, int)
-                    or gradient_accumulation_steps < 1):
-                raise ValueError(
-                    'gradient_accumulation_steps must be an integer >= 1, '
-                    f'got {gradient_accumulation_steps!r}.')
+            if isinstance(config, dict):  # From get_config (a .keras file).
+                config = config_lib.TwiceSamplingConfig.from_dict(config)
+            aggregator = aggregator_lib.PrivateAggregator(config, basis, seed)
+            gradient_accumulation_steps = _validate.integer(
+                'gradient_accumulation_steps', gradient_accumulation_steps, 1)
+            config = aggregator.config
             # tf_privacy's base only stores these (its query is unused): give
             # it numbers, the global l2 clip and the effective multiplier.
-            base_clip = (params.l2_norm_clip if params.num_blocks == 1 else
-                         math.sqrt(sum(c * c for c in params.l2_norm_clips)))
-            base_noise = (params.noise_multiplier if params.num_blocks == 1
-                          else 0.0 if min(params.noise_multipliers) == 0
-                          else sum(z**-2 for z in
-                                   params.noise_multipliers)**-0.5)
+            base_clip = math.sqrt(sum(c * c for c in config.l2_norm_clips))
+            base_noise = (0.0 if min(config.noise_multipliers) == 0 else
+                          sum(z**-2 for z in config.noise_multipliers)**-0.5)
             super().__init__(base_clip, base_noise, None, True, *args,
                              **kwargs)
             # Not trackable: neither the step keys nor the basis are saved
             # with the optimizer.
-            self._aggregator = aggregator_lib.PrivateAggregator(
-                params, basis, seed)
+            self._aggregator = aggregator
             self.gradient_accumulation_steps = gradient_accumulation_steps
 
         @property
@@ -203,9 +182,9 @@ def make_twice_sampling_optimizer_class(
             return self._aggregator
 
         @property
-        def dp_params(self) -> aggregation.AggregationParams:
-            """The validated clipping, sampling and noise parameters."""
-            return self._aggregator.dp_params
+        def config(self) -> config_lib.TwiceSamplingConfig:
+            """The mechanism's config (with the basis's dimensions)."""
+            return self._aggregator.config
 
         @property
         def basis(self) -> Optional[basis_lib.HybridBasis]:
@@ -297,16 +276,17 @@ def make_twice_sampling_optimizer_class(
             raise RuntimeError(
                 f'{class_name}.apply_gradients would apply gradients that '
                 'were not clipped, masked and noised. Compile a '
-                'tf_twice.keras.make_private(model) with this optimizer.')
+                'tf_twice.keras.DPModel(model) with this optimizer.')
 
         def get_config(self):
             """Public parameters only: no seed, no random state."""
             config = super().get_config()
-            config.update(self._aggregator.dp_params.to_dict())
+            for name in ('l2_norm_clip', 'noise_multiplier',
+                         'num_microbatches', 'use_xla', 'seed'):
+                config.pop(name, None)
+            config['config'] = self._aggregator.config.to_dict()
             config['gradient_accumulation_steps'] = (
                 self.gradient_accumulation_steps)
-            for name in ('num_microbatches', 'seed'):
-                config.pop(name, None)
             return config
 
     TwiceSamplingOptimizer.__name__ = class_name

@@ -40,12 +40,13 @@ twice on the same subsample is not what the accountant composes.
 from __future__ import annotations
 
 import dataclasses
-import math
 import secrets
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
+
+from tf_twice import config as config_lib
 
 __all__ = [
     'DEFAULT_MAX_BYTES',
@@ -174,10 +175,9 @@ def poisson_schedule(num_examples: int, *,
     """
     n = _check_int('num_examples', num_examples, 1)
     q1 = _resolve_rate(n, example_sampling_rate, expected_batch_size)
-    steps_per_epoch = max(1, int(math.floor(1.0 / q1 + 0.5)))
     return PoissonSchedule(num_examples=n, example_sampling_rate=q1,
                            expected_batch_size=n * q1,
-                           steps_per_epoch=steps_per_epoch)
+                           steps_per_epoch=config_lib.steps_per_epoch(q1))
 
 
 def _base_key(seed: int) -> tf.Tensor:

@@ -4,13 +4,12 @@ One import per line, so that modules can be added without touching others.
 """
 
 from tf_twice.keras.dp_model import DPModel
-from tf_twice.keras.dp_model import make_private
+from tf_twice.keras.dp_model import default_physical_batch_size
 from tf_twice.keras.guards import NonPoissonInputWarning
-from tf_twice.keras.guards import check_event_matches
-from tf_twice.keras.guards import check_event_matches_model
+from tf_twice.keras.guards import check_ledger_event
 from tf_twice.keras.guards import check_no_example_mixing
 from tf_twice.keras.guards import check_per_example_loss
 from tf_twice.keras.guards import check_poisson_input
-from tf_twice.keras.guards import dp_event_from_params
-from tf_twice.keras.guards import model_dp_params
 from tf_twice.keras.ledger import PrivacyLedger
+from tf_twice.keras.private_training import PrivateTraining
+from tf_twice.keras.private_training import make_private

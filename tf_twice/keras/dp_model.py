@@ -15,17 +15,18 @@ multiple of ``physical_batch_size``, runs the physical microbatches in a
 ``tf.while_loop`` with static shapes, accumulates the clipped masked sums, adds
 noise once and applies the update with the compiled (plain Keras) optimizer.
 
-Privacy: with Poisson sampling of examples at rate q1 (``expected_batch_size``
-= n * q1) each ``train_step`` is one (q1, q2)-twice-sampled Gaussian mechanism
-with l2 bound ``l2_norm_clip`` and l-infinity bound ``linf_norm_clip``
-(the paper's "Privacy Amplification from Twice Sampling" theorem); the
-optimizer update is post-processing. Reported loss and metrics are computed
-on the real examples without noise and are not private.
+Privacy: the mechanism is the model's ``TwiceSamplingConfig``. With Poisson
+sampling of its n examples at rate q1 (``expected_batch_size`` = n * q1)
+each ``train_step`` is one (q1, q2)-twice-sampled Gaussian mechanism, exactly
+``config.dp_event()`` (the paper's "Privacy Amplification from Twice
+Sampling" theorem); the optimizer update is post-processing. Reported loss
+and metrics are computed on the real examples without noise and are not
+private.
 
 Hybrid clipping: with ``basis=`` (a ``HybridBasis`` learned from PUBLIC
-data, e.g. ``learn_basis``) and per-block sequences ``l2_norm_clip``,
-``noise_multiplier`` and ``linf_norm_clip`` (principal blocks, then the
-residual), every microbatch's per-example gradients are split into the
+data, e.g. ``learn_basis``) and a config with one Block per basis block
+(principal blocks, then the residual), every microbatch's per-example
+gradients are split into the
 basis's blocks, each block is clipped, masked and summed on its own, and
 each gets its own noise (``tf_twice.mechanism.hybrid``, the same code as the
 optimizer path). One step is then the multi-block
@@ -38,12 +39,13 @@ resumed run relearns it (``BasisRefresh`` refreshes at its first step) or
 sets a saved one (``HybridBasis.save``/``load``, then ``set_basis``); any
 public basis keeps the guarantee.
 
-Accounting: ``DPModel.dp_event(n)`` is the ``TwiceSampledGaussianDpEvent``
-of one step, and ``PrivacyLedger.for_model(model, num_examples=n, ...)``
-builds a ledger from it. When ``fit`` gets a ``PrivacyLedger`` among its
-callbacks it refuses input that is not Poisson-sampled and a ledger event
-that differs from the model's parameters (``guards``), so the ledger's
-epsilon is for the training that runs.
+Accounting: ``DPModel.dp_event()`` is the ``TwiceSampledGaussianDpEvent``
+of one step, derived from the config, and ``PrivacyLedger.for_model(model,
+delta=...)`` builds a ledger from it (``tf_twice.keras.make_private`` wires
+model, data and ledger in one call). When ``fit`` gets a ``PrivacyLedger``
+among its callbacks it refuses input that is not Poisson-sampled from the
+config's n at its q1 and a ledger whose event is not the model's
+(``guards``), so the ledger's epsilon is for the training that runs.
 
 Secrets: the step keys that determine every mask and all noise live in the
 model's ``PrivateAggregator`` and are never part of a model artifact (TF
@@ -73,20 +75,22 @@ private batch without noise; their keys carry the prefix ``nonprivate_``
 """
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Union
+import math
+from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_twice import _validate
+from tf_twice import config as config_lib
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.keras import guards
 from tf_twice.keras import ledger as ledger_lib
-from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import aggregator as aggregator_lib
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
 
-__all__ = ['DPModel', 'make_private']
+__all__ = ['DPModel', 'default_physical_batch_size']
 
 _LOGGER = logging.getLogger(__name__)
 # Training logs computed on private batches without noise carry this prefix.
@@ -244,6 +248,47 @@ def _same_on_every_replica(strategy: tf.distribute.Strategy,
     return bool((gathered == gathered[:1]).all())
 
 
+# The per-example gradients of one physical batch, [P, d] floats, should stay
+# in the last-level cache: DP throughput of the reference CNN (d = 79,530)
+# fell 38 % from P = 64 (20 MB) to P = 256 (81 MB), non-private did not.
+_CACHE_BYTES = 32 * 2**20
+_PHYSICAL_RANGE = (8, 256)
+
+
+def default_physical_batch_size(
+        model: tf.keras.Model,
+        config: Optional[config_lib.TwiceSamplingConfig] = None) -> int:
+    """The physical batch size DPModel uses when none is given.
+
+    The largest power of two P in [8, 256] whose [P, d] float32 per-example
+    gradients fit in 32 MiB (d: the model's trainable parameters; 64 for a
+    model not built yet), and no larger than the expected logical batch
+    rounded up to a power of two (larger chunks would be mostly padding).
+    Speed and memory only: it never changes the released values' law.
+    """
+    low, high = _PHYSICAL_RANGE
+    size = 64
+    if model.built:
+        d = max(1, sum(int(tf.size(v)) for v in model.trainable_variables))
+        size = 2**max(0, math.floor(math.log2(max(1, _CACHE_BYTES // (4 * d)))))
+    if config is not None:
+        size = min(size, 2**math.ceil(math.log2(config.expected_batch_size)))
+    return int(min(high, max(low, size)))
+
+
+def _check_poisson_input(x: Any, config: config_lib.TwiceSamplingConfig, *,
+                         strict: bool) -> None:
+    """Refuses input that is not Poisson sampling of the config's n at its
+    q1 (warns instead when not ``strict``)."""
+    info = guards.check_poisson_input(
+        x, example_sampling_rate=config.example_sampling_rate, strict=strict)
+    if info is not None and info.num_examples != config.num_examples:
+        raise ValueError(
+            f'The dataset samples from {info.num_examples} examples but the '
+            f'config has num_examples={config.num_examples}: the accounted q1 '
+            'and n would not be those of the training.')
+
+
 def _is_dp_optimizer(optimizer: Any) -> bool:
     return isinstance(getattr(optimizer, 'aggregator', None),
                       aggregator_lib.PrivateAggregator)
@@ -253,15 +298,15 @@ def _is_dp_optimizer(optimizer: Any) -> bool:
 class DPModel(tf.keras.Model):
     """Wraps a Keras model so that ``fit`` runs twice-sampling DP-SGD.
 
-    Either give the mechanism here and compile with a plain Keras optimizer
-    (e.g. ``tf.keras.optimizers.SGD``), or give no mechanism arguments and
-    compile with a tf_twice DP optimizer, which then carries the mechanism.
-    The loss must be computable per example. ``predict``/``evaluate`` act on
-    the wrapped model.
+    Either give the mechanism here (a ``TwiceSamplingConfig``) and compile
+    with a plain Keras optimizer (e.g. ``tf.keras.optimizers.SGD``), or give
+    no config and compile with a tf_twice DP optimizer, which then carries
+    it. The loss must be computable per example. ``predict``/``evaluate`` act
+    on the wrapped model.
 
-    Guarantee: fed Poisson-sampled logical batches of n examples (one per
-    step, ``tf_twice.sampling.poisson_batches``), each step is the
-    ``dp_event(n)`` mechanism; T steps are (epsilon, delta)-DP with the
+    Guarantee: fed Poisson-sampled logical batches of the config's n
+    examples (one per step, ``tf_twice.sampling.poisson_batches``), each step
+    is the ``dp_event()`` mechanism; T steps are (epsilon, delta)-DP with the
     epsilon of T compositions of that event (what ``PrivacyLedger`` reports).
     With ``basis=`` (hybrid clipping) that event has one block per basis
     block; the basis must depend on public data and the current model only.
@@ -270,13 +315,9 @@ class DPModel(tf.keras.Model):
     def __init__(
         self,
         model: tf.keras.Model,
+        config: Optional[config_lib.TwiceSamplingConfig] = None,
         *,
-        l2_norm_clip: Union[None, float, Sequence[float]] = None,
-        noise_multiplier: Union[None, float, Sequence[float]] = None,
-        expected_batch_size: Optional[float] = None,
-        physical_batch_size: int,
-        linf_norm_clip: Union[None, float, Sequence[Optional[float]]] = None,
-        coordinate_sampling_rate: float = 1.0,
+        physical_batch_size: Optional[int] = None,
         seed: Optional[int] = None,
         basis: Optional[basis_lib.HybridBasis] = None,
         **kwargs,
@@ -285,21 +326,13 @@ class DPModel(tf.keras.Model):
 
         Args:
           model: the Keras model to train; no layer may mix examples.
-          l2_norm_clip: c2 > 0, l2 bound of one example's gradient; with a
-            basis, c2_j per block (principal blocks, then the residual),
-            e.g. ``split_l2_budget(c, public_block_norms(basis, ...))``.
-            None (with ``noise_multiplier`` and ``expected_batch_size``):
-            the mechanism comes from the tf_twice DP optimizer given to
-            ``compile``.
-          noise_multiplier: z >= 0; noise std per coordinate is z * c2. With
-            a basis, z_j per block (e.g. ``hybrid_noise_multipliers``).
-          expected_batch_size: n * q1 > 0; the update is divided by
-            expected_batch_size * q2, never by the realised batch size.
+          config: the mechanism (``tf_twice.TwiceSamplingConfig``),
+            calibrated; with a basis, one Block per basis block (principal
+            blocks, then the residual). None: the mechanism comes from the
+            tf_twice DP optimizer given to ``compile``.
           physical_batch_size: examples per vectorized chunk (an int >= 1);
-            logical batches are padded to a multiple of it.
-          linf_norm_clip: c_inf > 0 per coordinate after the l2 clip, or None;
-            with a basis, None or c_inf_j (or None) per block.
-          coordinate_sampling_rate: q2 in (0, 1], for every block.
+            logical batches are padded to a multiple of it. Speed and memory
+            only, never privacy. None: ``default_physical_batch_size``.
           seed: of the step keys (masks and noise), for experiments; None
             (default) uses OS entropy. Never saved with the model.
           basis: None (one block), or a ``HybridBasis`` over the model's
@@ -307,9 +340,8 @@ class DPModel(tf.keras.Model):
           **kwargs: passed to ``tf.keras.Model`` (e.g. ``name``).
 
         Raises:
-          ValueError: an argument outside its range, or per-block arguments
-            whose length is not ``basis.num_blocks`` (or that are
-            sequences without a basis).
+          ValueError: an argument outside its range, or a config whose
+            blocks do not fit the basis.
         """
         kwargs.setdefault('name', f'dp_{model.name}')
         super().__init__(**kwargs)
@@ -317,47 +349,27 @@ class DPModel(tf.keras.Model):
             raise ValueError(
                 f'model must be a tf.keras.Model, got {type(model).__name__}.')
         guards.check_no_example_mixing(model)
-        if (isinstance(physical_batch_size, bool)
-                or not isinstance(physical_batch_size, int)
-                or physical_batch_size < 1):
-            raise ValueError(
-                'physical_batch_size must be an integer >= 1, got '
-                f'{physical_batch_size!r}.')
+        if physical_batch_size is None:
+            physical_batch_size = default_physical_batch_size(model, config)
+        self.physical_batch_size = _validate.integer(
+            'physical_batch_size', physical_batch_size, 1)
         self.inner_model = model
-        self.physical_batch_size = physical_batch_size
         # The wrapper has no weights of its own: it is built when the
         # wrapped model is (so that saving and loading see its weights).
         self.built = model.built
-        mechanism = {'l2_norm_clip': l2_norm_clip,
-                     'noise_multiplier': noise_multiplier,
-                     'expected_batch_size': expected_batch_size}
-        given = [name for name, value in mechanism.items()
-                 if value is not None]
         # A plain attribute of a non-trackable object: Keras puts neither the
         # step keys nor the basis into weights, checkpoints or configs.
         self._own_aggregator = None
-        if given:
-            missing = sorted(set(mechanism) - set(given))
-            if missing:
-                raise ValueError(
-                    f'{", ".join(missing)} must be given with '
-                    f'{", ".join(given)} (or leave all three out and compile '
-                    'with a tf_twice DP optimizer).')
-            params = hybrid.block_params(
-                basis, linf_norm_clip=linf_norm_clip,
-                coordinate_sampling_rate=coordinate_sampling_rate,
-                **mechanism)
+        if config is not None:
             if basis is not None and model.built:
                 hybrid.check_basis_matches_variables(
                     basis, model.trainable_variables)
             self._own_aggregator = aggregator_lib.PrivateAggregator(
-                params, basis, seed)
-        elif basis is not None or seed is not None or linf_norm_clip \
-                is not None or coordinate_sampling_rate != 1.0:
+                config, basis, seed)
+        elif basis is not None or seed is not None:
             raise ValueError(
-                'basis, seed, linf_norm_clip and coordinate_sampling_rate '
-                'need l2_norm_clip, noise_multiplier and expected_batch_size; '
-                'with a tf_twice DP optimizer give them to the optimizer.')
+                'basis and seed need a config; with a tf_twice DP optimizer '
+                'give them to the optimizer.')
         # Not attributes Keras tracks: the tracker's state must not show up
         # in ``weights`` or the saved weights of the wrapped model.
         object.__setattr__(self, '_loss_tracker',
@@ -387,17 +399,17 @@ class DPModel(tf.keras.Model):
         aggregator = self.aggregator
         if aggregator is None:
             raise ValueError(
-                'This DPModel has no DP mechanism yet: give l2_norm_clip, '
-                'noise_multiplier and expected_batch_size to make_private, '
-                'or compile it with a tf_twice DP optimizer.')
+                'This DPModel has no DP mechanism yet: give it a '
+                'TwiceSamplingConfig, or compile it with a tf_twice DP '
+                'optimizer.')
         return aggregator
 
     @property
-    def dp_params(self) -> Optional[aggregation.AggregationParams]:
-        """The validated clipping, sampling and noise parameters (None until
-        a model without its own mechanism is compiled)."""
+    def config(self) -> Optional[config_lib.TwiceSamplingConfig]:
+        """The mechanism the steps run (None until a model without its own
+        config is compiled with a tf_twice DP optimizer)."""
         aggregator = self.aggregator
-        return None if aggregator is None else aggregator.dp_params
+        return None if aggregator is None else aggregator.config
 
     @property
     def basis(self) -> Optional[basis_lib.HybridBasis]:
@@ -432,23 +444,15 @@ class DPModel(tf.keras.Model):
         """Continues the step keys from a ``save_random_state`` file."""
         self._require_aggregator().keys.load(path)
 
-    def dp_event(self, num_examples: int) -> TwiceSampledGaussianDpEvent:
-        """The DpEvent of one ``train_step`` on n = ``num_examples`` examples.
-
-        With Poisson sampling at q1 = expected_batch_size / n, one step is
-        exactly ``TwiceSampledGaussianDpEvent(example_sampling_rate=q1,
-        coordinate_sampling_rate=q2, noise_multiplier=z, l2_norm_clip=c2,
-        linf_norm_clip=c_inf)`` (q2 is the nominal rate; the masks keep
-        coordinates with a rate at most q2, which the bound covers). With a
-        basis the fields are per-block tuples and ``block_dimensions`` is
-        ``basis.block_dimensions`` (principal ranks r_j, then d: the
-        residual is released in all d natural coordinates).
+    def dp_event(self) -> TwiceSampledGaussianDpEvent:
+        """The DpEvent of one ``train_step`` on Poisson batches: derived
+        from the config (``TwiceSamplingConfig.dp_event``), per block with
+        ``block_dimensions = basis.block_dimensions`` for hybrid clipping.
 
         Raises:
-          ValueError: num_examples is not an integer >= expected_batch_size,
-            or a noise multiplier is 0 (no DP guarantee to account).
+          ValueError: no mechanism yet, or a non_private config.
         """
-        return guards.model_dp_event(self, num_examples)
+        return self._require_aggregator().dp_event()
 
     def call(self, inputs, training=None, mask=None):
         return self.inner_model(inputs, training=training)
@@ -458,10 +462,10 @@ class DPModel(tf.keras.Model):
         if _is_dp_optimizer(optimizer):
             if self._own_aggregator is not None:
                 raise ValueError(
-                    'This DPModel already has its DP mechanism (from '
-                    'make_private); compile it with a plain Keras optimizer, '
-                    f'not the DP optimizer {type(optimizer).__name__}, or '
-                    'build it without mechanism arguments.')
+                    'This DPModel already has its DP mechanism (its config); '
+                    'compile it with a plain Keras optimizer, not the DP '
+                    f'optimizer {type(optimizer).__name__}, or build it '
+                    'without a config.')
             if getattr(optimizer, '_num_microbatches', None) is not None:
                 raise ValueError(
                     f'{type(optimizer).__name__} uses num_microbatches='
@@ -478,8 +482,7 @@ class DPModel(tf.keras.Model):
         elif self._own_aggregator is None:
             raise ValueError(
                 'This DPModel has no DP mechanism: compile it with a tf_twice '
-                'DP optimizer, or give l2_norm_clip, noise_multiplier and '
-                'expected_batch_size to make_private.')
+                'DP optimizer, or give it a TwiceSamplingConfig.')
         self._example_loss = _per_example_loss_fn(loss)
         previous = self.aggregator
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
@@ -565,14 +568,11 @@ class DPModel(tf.keras.Model):
         ``PrivacyLedger`` is among ``callbacks``, before any step runs:
 
         * ``x`` must be Poisson-sampled logical batches
-          (``tf_twice.sampling.poisson_batches``) at the ledger event's
-          example rate q1: the accountant's epsilon is not a bound for
-          arrays batched by ``fit`` or ``shuffle().batch()`` pipelines, so
-          they are refused (ValueError);
-        * the ledger's event must match this model: noise multiplier, l2 and
-          l-infinity clips, coordinate rate and q1 * n = expected_batch_size
-          with n the dataset's number of examples (ValueError naming the
-          field).
+          (``tf_twice.sampling.poisson_batches``) of the config's n examples
+          at its rate q1: the accountant's epsilon is not a bound for arrays
+          batched by ``fit`` or ``shuffle().batch()`` pipelines, so they are
+          refused (ValueError);
+        * the ledger's event must be this model's ``dp_event()``.
 
         Without a ledger, ``fit`` trains as ``tf.keras.Model.fit`` does and
         NOTHING IS ACCOUNTED: no epsilon holds unless the caller accounts
@@ -584,7 +584,8 @@ class DPModel(tf.keras.Model):
           allow_non_poisson_input: True downgrades the refusal of
             non-Poisson input to a ``NonPoissonInputWarning``, for
             experiments that claim no epsilon: the ledger's epsilon then
-            DOES NOT HOLD for the run. Event mismatches are always refused.
+            DOES NOT HOLD for the run. Other events and other n are always
+            refused.
 
         Raises:
           ValueError: see above, or a check of ``tf.keras.Model.fit``.
@@ -595,15 +596,9 @@ class DPModel(tf.keras.Model):
         self._require_aggregator()
         _check_sharding(self.distribute_strategy, x)
         for ledger in _ledgers(callbacks):
-            event = ledger.event
-            info = guards.check_poisson_input(
-                x,
-                example_sampling_rate=getattr(event, 'example_sampling_rate',
-                                              None),
-                strict=not allow_non_poisson_input)
-            guards.check_event_matches_model(
-                event, self,
-                num_examples=None if info is None else info.num_examples)
+            guards.check_ledger_event(ledger.event, self)
+            _check_poisson_input(x, self.config,
+                                 strict=not allow_non_poisson_input)
         return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                            *args, **kwargs)
 
@@ -780,7 +775,7 @@ class DPModel(tf.keras.Model):
             'name': self.name,
         }
         if self._own_aggregator is not None:
-            config.update(self._own_aggregator.dp_params.to_dict())
+            config['config'] = self._own_aggregator.config.to_dict()
         return config
 
     @classmethod
@@ -794,50 +789,7 @@ class DPModel(tf.keras.Model):
         config = dict(config)
         model = tf.keras.utils.deserialize_keras_object(
             config.pop('model'), custom_objects=custom_objects)
+        if config.get('config') is not None:
+            config['config'] = config_lib.TwiceSamplingConfig.from_dict(
+                config['config'])
         return cls(model, **config)
-
-
-def make_private(model: tf.keras.Model, **dp_kwargs) -> DPModel:
-    """Returns ``DPModel(model, **dp_kwargs)``: ``model`` with a DP train_step.
-
-    With hybrid clipping (``basis=`` and per-block parameters; the basis and
-    the budgets come from PUBLIC data only):
-
-    ```python
-    grads = public_per_example_gradients(model, loss, x_pub, y_pub)
-    basis = learn_basis(grads, ranks=[64, 192], groups=4)
-    clips = split_l2_budget(1.0, public_block_norms(basis, grads,
-                                                    clip_norm=1.0))
-    noise = hybrid_noise_multipliers(
-        basis, clips, target_epsilon=3.0, delta=1e-5, steps=steps,
-        example_sampling_rate=256 / len(x), coordinate_sampling_rate=0.5)
-    private = make_private(model, basis=basis, l2_norm_clip=clips,
-                           noise_multiplier=noise,
-                           coordinate_sampling_rate=0.5,
-                           expected_batch_size=256, physical_batch_size=128)
-    refresh = BasisRefresh(model, (x_pub, y_pub), loss, every_steps=100,
-                           on_refresh=private.set_basis, ranks=[64, 192],
-                           groups=4)
-    private.fit(data, callbacks=[ledger, refresh])
-    ```
-
-    One block:
-
-    Example:
-
-    ```python
-    private = make_private(model, l2_norm_clip=1.0, linf_norm_clip=0.1,
-                           noise_multiplier=1.1, coordinate_sampling_rate=0.5,
-                           expected_batch_size=256, physical_batch_size=128)
-    private.compile(optimizer=tf.keras.optimizers.SGD(0.5),
-                    loss=tf.keras.losses.SparseCategoricalCrossentropy(
-                        from_logits=True), metrics=['accuracy'])
-    data = tf_twice.sampling.poisson_batches(
-        x, y, physical_batch_size=128, expected_batch_size=256)
-    ledger = PrivacyLedger.for_model(
-        private, num_examples=len(x), delta=1e-5, target_epsilon=3.0,
-        state_path='checkpoints/privacy_ledger.json')
-    private.fit(data, epochs=..., callbacks=[ledger])  # accounted and checked
-    ```
-    """
-    return DPModel(model, **dp_kwargs)

@@ -14,13 +14,9 @@ assumptions the code cannot enforce by itself:
 4. the noisy sum is divided by the *expected* number of contributions
    n * q1 * q2, never by the realised batch size, which depends on who is in
    the batch and is not covered by the accountant;
-5. the accountant's event describes the mechanism that actually runs: the
-   same noise multiplier, clip norms and sampling rates as the model (or
-   its DP optimizer), per block with hybrid clipping, and the basis's block
-   dimensions, so that the reported epsilon is for this training
-   (`check_event_matches`; `model_dp_params`, `model_basis` and
-   `model_dp_event` read a model's parameters and build its event, so none
-   are copied by hand).
+5. the accountant's event is the step that runs: a DP model's event is
+   derived from its config (``DPModel.dp_event``), and a ledger with any
+   other event is refused (`check_ledger_event`).
 
 Every check raises ValueError naming what is wrong and what to use instead.
 `check_poisson_input` is strict by default: a non-Poisson dataset is refused
@@ -32,35 +28,23 @@ whose epsilon is not claimed; the warning says that the epsilon does not hold.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
-from typing import Any, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, Optional, Tuple
 
 import dp_accounting
 import numpy as np
 import tensorflow as tf
 
 from tf_twice import sampling
-from tf_twice.accounting import TwiceSampledGaussianDpEvent
-from tf_twice.mechanism import aggregation
-from tf_twice.mechanism import basis as basis_lib
 
 __all__ = [
     'NonPoissonInputWarning',
-    'check_event_matches',
-    'check_event_matches_model',
+    'check_ledger_event',
     'check_no_example_mixing',
     'check_per_example_loss',
     'check_poisson_input',
-    'dp_event_from_params',
-    'model_basis',
-    'model_dp_event',
-    'model_dp_params',
 ]
 
-# Relative tolerance when comparing an event's parameters with the model's:
-# only float round-off (e.g. of q1 = B / n) is forgiven.
-_REL_TOL = 1e-9
 
 class NonPoissonInputWarning(UserWarning):
     """Training data is not Poisson-sampled; the reported epsilon is void."""
@@ -298,326 +282,43 @@ def check_poisson_input(dataset: Any, *,
     return info
 
 
-# --- the accountant's event against the mechanism that runs ----------------
+# --- the ledger's event against the mechanism that runs ---------------------
 
 
-def model_dp_params(model: Any) -> Optional[aggregation.AggregationParams]:
-    """The clipping, sampling and noise parameters of `model`'s DP steps.
+def check_ledger_event(event: dp_accounting.DpEvent, model: Any) -> None:
+    """Refuses a ledger whose event is not the step that ``model`` runs.
 
-    Recognises `tf_twice.keras.DPModel` (its `dp_params`, its own or those
-    of the tf_twice DP optimizer it is compiled with).
-
-    Returns:
-      The `AggregationParams`, or None when `model` is not a DP model (a
-      plain Keras model, or a DPModel not compiled yet).
+    A tf_twice ``DPModel`` derives its event from its config
+    (``model.dp_event()``), so the ledger's event must be exactly that one
+    (``PrivacyLedger.for_model`` builds it so). A plain Keras model compiled
+    with a tf_twice DP optimizer is refused: Keras gives that optimizer only
+    the loss of a batched forward pass, whose per-example gradients are not
+    isolated (one NaN record turns every record's gradient into NaN). Any
+    other model's steps are counted as ``event``, which the caller vouches
+    for.
 
     Raises:
-      ValueError: a plain Keras model compiled with a tf_twice DP optimizer.
-        Keras gives that optimizer only the loss of a batched forward pass,
-        whose per-example gradients are not isolated (one NaN record turns
-        every record's gradient into NaN), so its steps are not the
-        accounted mechanism; it must be wrapped with `make_private`.
+      ValueError: naming the fix.
     """
-    params = getattr(model, 'dp_params', None)
-    if isinstance(params, aggregation.AggregationParams):
-        return params
+    dp_event = getattr(model, 'dp_event', None)
+    if callable(dp_event) and hasattr(model, 'aggregator'):
+        if model.aggregator is None:
+            raise ValueError(
+                f'{model.name} has no DP mechanism yet: compile it with a '
+                'tf_twice DP optimizer, or give DPModel a config.')
+        expected = dp_event()
+        if event != expected:
+            raise ValueError(
+                f'The ledger accounts {event}, but {model.name} runs '
+                f'{expected}. Build the ledger from the model: '
+                'PrivacyLedger.for_model(model, delta=...).')
+        return
     optimizer = getattr(model, 'optimizer', None)
-    if isinstance(getattr(optimizer, 'dp_params', None),
-                  aggregation.AggregationParams):
+    if getattr(optimizer, 'aggregator', None) is not None:
         raise ValueError(
             f'{type(model).__name__} is compiled with the DP optimizer '
             f'{type(optimizer).__name__}, but Keras gives an optimizer only '
             'the loss of a batched forward pass, whose per-example '
             'gradients are not isolated. Wrap the model first: '
-            'model = tf_twice.keras.make_private(model, '
-            'physical_batch_size=...), then compile that with the optimizer.')
-    return None
-
-
-def model_basis(model: Any) -> Optional[basis_lib.HybridBasis]:
-    """The hybrid-clipping basis of `model`'s DP steps, or None (one block).
-
-    Reads `DPModel.basis` (its own, or its DP optimizer's).
-    """
-    basis = getattr(model, 'basis', None)
-    return basis if isinstance(basis, basis_lib.HybridBasis) else None
-
-
-def dp_event_from_params(
-        params: aggregation.AggregationParams,
-        num_examples: int,
-        *,
-        block_dimensions: Optional[Sequence[int]] = None
-) -> TwiceSampledGaussianDpEvent:
-    """The `TwiceSampledGaussianDpEvent` of one step with `params`.
-
-    With Poisson sampling of `num_examples` examples at rate
-    q1 = expected_batch_size / num_examples, one step with `params` is
-    exactly this event (l2 clip c2, l-infinity clip c_inf, coordinate rate
-    q2, noise multiplier z; per-block tuples for hybrid clipping), so
-    accounting it gives the step's guarantee.
-
-    Args:
-      params: the step's `AggregationParams` (e.g. `DPModel.dp_params`).
-      num_examples: n, an integer >= expected_batch_size.
-      block_dimensions: optional coordinates per block, for hybrid clipping
-        `basis.block_dimensions` (r_1..r_{m-1}, d); it can only tighten the
-        bound, and must be the true dimensions (see `model_dp_event`).
-
-    Raises:
-      ValueError: num_examples is not an integer >= expected_batch_size
-        (q1 would exceed 1), a noise multiplier is 0 (no DP at all), or
-        block_dimensions does not have one entry per block.
-    """
-    if not isinstance(params, aggregation.AggregationParams):
-        raise ValueError('params must be tf_twice AggregationParams; got '
-                         f'{type(params).__name__}.')
-    if (isinstance(num_examples, (bool, np.bool_))
-            or not isinstance(num_examples, numbers.Integral)
-            or num_examples < 1):
-        raise ValueError('num_examples must be an integer >= 1 (the size of '
-                         f'the private training set); got {num_examples!r}.')
-    batch = params.expected_batch_size
-    if batch > num_examples:
-        raise ValueError(
-            f'expected_batch_size ({batch:g}) must be <= num_examples '
-            f'({num_examples}): the sampling rate q1 = expected_batch_size / '
-            'num_examples must be in (0, 1].')
-    for j, z in enumerate(params.noise_multipliers):
-        if z <= 0:
-            where = '' if params.num_blocks == 1 else f' (block {j})'
-            raise ValueError(
-                f'noise_multiplier must be > 0 for a DP guarantee{where}; '
-                f'got {z:g}, which releases the clipped sum without noise '
-                '(epsilon is infinite).')
-    if block_dimensions is not None:
-        dims = tuple(block_dimensions) if isinstance(
-            block_dimensions, (list, tuple)) else (block_dimensions,)
-        if len(dims) != params.num_blocks:
-            raise ValueError(
-                f'block_dimensions must have one entry per block '
-                f'({params.num_blocks}); got {block_dimensions!r}.')
-        block_dimensions = dims if params.num_blocks > 1 else dims[0]
-    linf = params.linf_norm_clip
-    if isinstance(linf, tuple) and all(c is None for c in linf):
-        linf = None  # One canonical event for "no l-infinity clipping".
-    return TwiceSampledGaussianDpEvent(
-        example_sampling_rate=batch / num_examples,
-        coordinate_sampling_rate=params.coordinate_sampling_rate,
-        noise_multiplier=params.noise_multiplier,
-        l2_norm_clip=params.l2_norm_clip,
-        linf_norm_clip=linf,
-        block_dimensions=block_dimensions)
-
-
-def model_dp_event(model: Any,
-                   num_examples: int) -> TwiceSampledGaussianDpEvent:
-    """The `DpEvent` of one DP step of `model` on `num_examples` examples.
-
-    `model` is a `DPModel` or a Keras model compiled with a tf_twice DP
-    optimizer. With hybrid clipping the event has the per-block parameters
-    and `block_dimensions = basis.block_dimensions` (principal ranks r_j,
-    then d: the residual is released in all d natural coordinates).
-
-    Raises:
-      ValueError: `model` is not a tf_twice DP model, or as
-        `model_dp_params` and `dp_event_from_params`.
-    """
-    params = model_dp_params(model)
-    if params is None:
-        raise ValueError(
-            'model must be a tf_twice.keras.DPModel or a Keras model '
-            'compiled with a tf_twice TwiceSamplingDPKeras*Optimizer; got '
-            f'{type(model).__name__} with optimizer '
-            f'{type(getattr(model, "optimizer", None)).__name__}.')
-    basis = model_basis(model)
-    return dp_event_from_params(
-        params, num_examples,
-        block_dimensions=None if basis is None else basis.block_dimensions)
-
-
-def _mismatch(field: str, event_value: Any, model_value: Any,
-              extra: str = '') -> ValueError:
-    return ValueError(
-        f'The privacy ledger\'s event has {field}={event_value!r} but the '
-        f'model trains with {field}={model_value!r}{extra}: the reported '
-        'epsilon would be for another mechanism. Build the ledger with '
-        'PrivacyLedger.for_model(model, num_examples=..., delta=...) (or '
-        'the event with DPModel.dp_event(num_examples)) instead of copying '
-        'parameters by hand.')
-
-
-def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=_REL_TOL, abs_tol=0.0)
-
-
-def _as_blocks(value: Any) -> Tuple[Any, ...]:
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-
-def check_event_matches(
-        event: dp_accounting.DpEvent,
-        *,
-        l2_norm_clip: Union[float, Sequence[float]],
-        linf_norm_clip: Union[None, float, Sequence[Optional[float]]],
-        noise_multiplier: Union[float, Sequence[float]],
-        coordinate_sampling_rate: float,
-        expected_batch_size: float,
-        num_examples: Optional[int] = None,
-        num_parameters: Optional[int] = None,
-        block_dimensions: Optional[Sequence[int]] = None) -> None:
-    """Refuses an accountant event that does not describe the running step.
-
-    A ledger composes its event once per step, so its epsilon bounds the
-    training only if the event is the mechanism that runs: the same number
-    of blocks and, per block, the same noise multiplier z, l2 clip c2 and
-    l-infinity clip c_inf (None and any value >= c2 are the same bound),
-    the same coordinate rate q2, and an example rate q1 with
-    q1 * n = expected_batch_size. Equality is required up to float
-    round-off, in both directions, so a hand-copied parameter cannot drift.
-
-    Args:
-      event: the ledger's event of one step; must be a
-        `TwiceSampledGaussianDpEvent`.
-      l2_norm_clip, linf_norm_clip, noise_multiplier: the model's (or its DP
-        optimizer's) parameters: numbers for one block, per-block sequences
-        for hybrid clipping (as in `AggregationParams`).
-      coordinate_sampling_rate, expected_batch_size: as in
-        `AggregationParams`.
-      num_examples: n of the Poisson-sampled dataset, or None when it is not
-        known (then q1 is not checked).
-      num_parameters: one block: the number of trainable coordinates, or
-        None when not known; needed only if the event has
-        `block_dimensions`, which must then equal it (a smaller value would
-        understate the sensitivity).
-      block_dimensions: several blocks: the basis's `block_dimensions`
-        (r_1..r_{m-1}, d). An event with `block_dimensions` must have
-        exactly these; an event without them is accepted (its bound is
-        sound, only looser).
-
-    Raises:
-      ValueError: naming the first field that does not match.
-    """
-    if not isinstance(event, TwiceSampledGaussianDpEvent):
-        raise ValueError(
-            'The privacy ledger of a tf_twice DP model must account a '
-            'TwiceSampledGaussianDpEvent describing its step; got '
-            f'{type(event).__name__}. Use PrivacyLedger.for_model(model, '
-            'num_examples=..., delta=...).')
-    blocks = event.blocks()
-    zs = _as_blocks(noise_multiplier)
-    clips = _as_blocks(l2_norm_clip)
-    linfs = (_as_blocks(linf_norm_clip) if linf_norm_clip is not None
-             else (None,) * len(clips))
-    if not len(zs) == len(clips) == len(linfs):
-        raise ValueError(
-            'noise_multiplier, l2_norm_clip and linf_norm_clip must have the '
-            f'same number of blocks; got {len(zs)}, {len(clips)} and '
-            f'{len(linfs)}.')
-    m = len(clips)
-    if blocks.size != m:
-        raise ValueError(
-            f'The privacy ledger\'s event has {blocks.size} blocks, but the '
-            f'model clips and noises its gradients as {m} block(s)'
-            + (' (no hybrid-clipping basis); the event must have a single '
-               'noise_multiplier, l2_norm_clip and linf_norm_clip.'
-               if m == 1 else
-               '; build the event with PrivacyLedger.for_model(model, ...) '
-               'or DPModel.dp_event(num_examples).'))
-
-    def shown(values):
-        return values[0] if m == 1 else values
-
-    for j in range(m):
-        where = '' if m == 1 else f' (block {j})'
-        z, c2 = float(zs[j]), float(clips[j])
-        # The l-infinity bound that matters is min(c_inf, c2), as in the
-        # event.
-        c_inf = c2 if linfs[j] is None else min(float(linfs[j]), c2)
-        if not _close(blocks.noise_multipliers[j], z):
-            raise _mismatch('noise_multiplier', event.noise_multiplier,
-                            shown(zs), where)
-        if not _close(blocks.l2_norm_clips[j], c2):
-            raise _mismatch('l2_norm_clip', event.l2_norm_clip, shown(clips),
-                            where)
-        if not _close(blocks.linf_norm_clips[j], c_inf):
-            raise _mismatch('linf_norm_clip', event.linf_norm_clip,
-                            shown(linfs),
-                            f'{where} (after l2 clipping its bound is '
-                            f'{blocks.linf_norm_clips[j]:g} vs {c_inf:g})')
-    if not _close(float(event.coordinate_sampling_rate),
-                  float(coordinate_sampling_rate)):
-        raise _mismatch('coordinate_sampling_rate',
-                        event.coordinate_sampling_rate,
-                        coordinate_sampling_rate)
-    if num_examples is not None:
-        implied = float(event.example_sampling_rate) * int(num_examples)
-        if not _close(implied, float(expected_batch_size)):
-            raise _mismatch(
-                'example_sampling_rate', event.example_sampling_rate,
-                float(expected_batch_size) / int(num_examples),
-                f' (expected_batch_size {float(expected_batch_size):g} / '
-                f'num_examples {int(num_examples)})')
-    if blocks.dimensions is None:
-        return
-    if m > 1:
-        if block_dimensions is None:
-            raise ValueError(
-                'The privacy ledger\'s event sets block_dimensions='
-                f'{event.block_dimensions!r}, which can only be checked '
-                'against the model\'s basis; pass block_dimensions='
-                'basis.block_dimensions or leave them unset in the event.')
-        if tuple(int(r) for r in block_dimensions) != blocks.dimensions:
-            raise _mismatch('block_dimensions', event.block_dimensions,
-                            tuple(int(r) for r in block_dimensions),
-                            ' (the basis\'s principal ranks, then d)')
-        return
-    if num_parameters is None:
-        raise ValueError(
-            'The privacy ledger\'s event sets block_dimensions='
-            f'{event.block_dimensions!r}, which can only be checked '
-            'against a built model; build the model first (call it '
-            'once) or leave block_dimensions unset.')
-    if blocks.dimensions[0] != int(num_parameters):
-        raise _mismatch('block_dimensions', event.block_dimensions,
-                        int(num_parameters),
-                        ' (its number of trainable coordinates)')
-
-
-def _num_trainable_parameters(model: Any) -> Optional[int]:
-    """Coordinates the step clips (all trainable ones); None if unbuilt."""
-    # A DPModel trains its wrapped model, which may be built before it is.
-    model = getattr(model, 'inner_model', model)
-    if not getattr(model, 'built', False):
-        return None
-    return int(sum(int(np.prod(v.shape.as_list()))
-                   for v in model.trainable_variables))
-
-
-def check_event_matches_model(event: dp_accounting.DpEvent, model: Any, *,
-                              num_examples: Optional[int] = None) -> bool:
-    """`check_event_matches` against `model_dp_params(model)`.
-
-    Returns:
-      True if `model` is a tf_twice DP model (DPModel, or compiled with a
-      tf_twice DP optimizer) and `event` matches it; False, with nothing
-      checked, for any other model.
-
-    Raises:
-      ValueError: as `check_event_matches` and `model_dp_params`.
-    """
-    params = model_dp_params(model)
-    if params is None:
-        return False
-    basis = model_basis(model)
-    check_event_matches(
-        event,
-        l2_norm_clip=params.l2_norm_clip,
-        linf_norm_clip=params.linf_norm_clip,
-        noise_multiplier=params.noise_multiplier,
-        coordinate_sampling_rate=params.coordinate_sampling_rate,
-        expected_batch_size=params.expected_batch_size,
-        num_examples=num_examples,
-        num_parameters=_num_trainable_parameters(model),
-        block_dimensions=None if basis is None else basis.block_dimensions)
-    return True
+            'model = tf_twice.keras.DPModel(model), then compile that with '
+            'the optimizer.')

@@ -31,17 +31,17 @@ Guarantees:
   only by choosing a new file. If the file's events differ from the current
   one (new noise, new sampling rate), both are composed.
 
-* **Accounts the mechanism that runs.** `PrivacyLedger.for_model` builds
-  the event from the model's own parameters (a `DPModel`, or a model
-  compiled with a tf_twice DP optimizer). At the start of every `fit` the
-  ledger refuses a model with BatchNormalization (no per-example
-  gradients) and, for such a DP model, an event whose noise multiplier,
-  clips or coordinate rate differ from the model's, per block with hybrid
-  clipping, or whose block dimensions differ from its basis's
-  (`guards.check_event_matches`); `DPModel.fit` also checks the input is
-  Poisson-sampled at the event's q1. A plain Keras model is only checked
-  for BatchNormalization: its steps are counted as the given event, which
-  the caller vouches for.
+* **Accounts the mechanism that runs.** `PrivacyLedger.for_model` takes
+  the event from the model (`DPModel.dp_event()`, derived from its
+  `TwiceSamplingConfig`). At the start of every `fit` the ledger refuses a
+  model that mixes examples (BatchNormalization, ...) and, for a DP model,
+  any event other than the model's own (`guards.check_ledger_event`);
+  `DPModel.fit` also checks the input is Poisson-sampled from the config's
+  n at its q1. A plain Keras model's steps are counted as the given event,
+  which the caller vouches for.
+* **Stops where the plan ends.** With `max_steps`, no step runs past that
+  total (resumed steps included): training ends exactly where the noise
+  was calibrated.
 
 Logging: at each epoch end `logs['epsilon']` is set, so it reaches `History`
 and every callback listed AFTER the ledger (put `TensorBoard`/`CSVLogger`
@@ -206,6 +206,25 @@ def _check_count(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
+def _check_state_path(state_path: Any) -> str:
+    """A writable file path: refused up front, not at the first write."""
+    if not isinstance(state_path, (str, os.PathLike)):
+        raise ValueError('state_path must be None or a file path; got '
+                         f'{state_path!r}.')
+    state_path = os.fspath(state_path)
+    if os.path.isdir(state_path):
+        raise ValueError(f'state_path={state_path!r} is a directory; give a '
+                         'file path, e.g. beside the checkpoints.')
+    directory = os.path.dirname(os.path.abspath(state_path))
+    if not os.path.isdir(directory):
+        raise ValueError(f'state_path={state_path!r}: its directory '
+                         f'{directory!r} does not exist; create it first.')
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f'state_path={state_path!r}: its directory '
+                         f'{directory!r} is not writable.')
+    return state_path
+
+
 def _parse_segments(state: Mapping[str, Any]
                     ) -> List[Tuple[dp_accounting.DpEvent, int]]:
     if state.get('format') != STATE_FORMAT:
@@ -235,6 +254,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
       delta: in (0, 1).
       target_epsilon: None or in (0, inf); training stops before a step that
         would exceed it.
+      max_steps: None or an integer >= 0: training stops before the step
+        that would take the ledger's total (resumed steps included) past it,
+        e.g. the number of steps the noise was calibrated for.
       state_path: None or a JSON file (e.g. beside the model checkpoints).
         Loaded if it exists, and kept up to date.
       save_every_steps: >= 1, how many steps each write-ahead charges: the
@@ -259,6 +281,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                  delta: float,
                  *,
                  target_epsilon: Optional[float] = None,
+                 max_steps: Optional[int] = None,
                  state_path: Optional[str] = None,
                  save_every_steps: int = 10,
                  orders: Optional[Sequence[float]] = None,
@@ -267,13 +290,11 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         super().__init__()
         loaded = None
         if state_path is not None:
-            if not isinstance(state_path, (str, os.PathLike)):
-                raise ValueError('state_path must be None or a file path; got '
-                                 f'{state_path!r}.')
-            state_path = os.fspath(state_path)
+            state_path = _check_state_path(state_path)
             if os.path.exists(state_path):
                 loaded = _read_json(state_path)
         self._setup(event, delta, target_epsilon=target_epsilon,
+                    max_steps=max_steps,
                     save_every_steps=save_every_steps, orders=orders,
                     log_dir=log_dir, verbose=verbose, history=loaded)
         self._state_path = state_path
@@ -286,61 +307,49 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
     def for_model(cls,
                   model: tf.keras.Model,
                   *,
-                  num_examples: int,
                   delta: float,
                   target_epsilon: Optional[float] = None,
+                  max_steps: Optional[int] = None,
                   state_path: Optional[str] = None,
                   save_every_steps: int = 10,
                   orders: Optional[Sequence[float]] = None,
                   log_dir: Optional[str] = None,
                   verbose: int = 1) -> 'PrivacyLedger':
-        """A ledger whose event is `model`'s own step on `num_examples`.
+        """A ledger whose event is `model`'s own step, `model.dp_event()`.
 
-        `model` is a `tf_twice.keras.DPModel` (event: `model.dp_event(n)`)
-        or a Keras model compiled with a tf_twice `TwiceSamplingDPKeras*
-        Optimizer` with `num_microbatches=None` (event from the optimizer's
-        `dp_params`, q1 = expected_batch_size / n). Either way the event is
-        `TwiceSampledGaussianDpEvent(q1, q2, z, c2, c_inf)` of the
-        parameters that run, so nothing is copied by hand; with hybrid
-        clipping (a `basis`) it has per-block tuples and
-        `block_dimensions = basis.block_dimensions`. The other arguments are
-        the constructor's.
-
-        Args:
-          model: the DP model that `fit` will train.
-          num_examples: n, the size of the private training set (the
-            dataset's `PoissonSamplingInfo.num_examples`).
-          delta, target_epsilon, state_path, save_every_steps, orders,
-            log_dir, verbose: as in `PrivacyLedger`.
+        `model` is a `tf_twice.keras.DPModel` with a config (or compiled with
+        a tf_twice DP optimizer): its event is derived from that
+        `TwiceSamplingConfig` (n, q1, q2, clips and noise, per block with
+        `block_dimensions = basis.block_dimensions` for hybrid clipping), so
+        nothing is copied by hand. The other arguments are the
+        constructor's.
 
         Raises:
-          ValueError: `model` is not a tf_twice DP model, its optimizer uses
-            num_microbatches (not covered by the accountant), num_examples
-            < expected_batch_size, noise_multiplier is 0, or an argument of
-            the constructor is outside its range.
+          ValueError: `model` is not a tf_twice DP model, its config is
+            non_private or not calibrated, or an argument of the
+            constructor is outside its range.
         """
-        params = guards.model_dp_params(model)
-        if params is None:
+        dp_event = getattr(model, 'dp_event', None)
+        if not callable(dp_event) or not hasattr(model, 'aggregator'):
             raise ValueError(
-                'model must be a tf_twice.keras.DPModel or a Keras model '
-                'compiled with a tf_twice TwiceSamplingDPKeras*Optimizer; got '
-                f'{type(model).__name__} with optimizer '
-                f'{type(getattr(model, "optimizer", None)).__name__}. For '
-                'other models build the DpEvent and call PrivacyLedger(event, '
-                'delta, ...).')
-        event = guards.model_dp_event(model, num_examples)
-        return cls(event, delta, target_epsilon=target_epsilon,
-                   state_path=state_path, save_every_steps=save_every_steps,
-                   orders=orders, log_dir=log_dir, verbose=verbose)
+                'model must be a tf_twice.keras.DPModel; got '
+                f'{type(model).__name__}. For other models build the DpEvent '
+                'and call PrivacyLedger(event, delta, ...).')
+        return cls(dp_event(), delta, target_epsilon=target_epsilon,
+                   max_steps=max_steps, state_path=state_path,
+                   save_every_steps=save_every_steps, orders=orders,
+                   log_dir=log_dir, verbose=verbose)
 
     def _setup(self, event, delta, *, target_epsilon, save_every_steps,
-               orders, log_dir, verbose, history):
+               orders, log_dir, verbose, history, max_steps=None):
         if not isinstance(event, dp_accounting.DpEvent):
             raise ValueError('event must be a dp_accounting DpEvent (one DP '
                              'step, e.g. TwiceSampledGaussianDpEvent); got '
                              f'{type(event).__name__}.')
         self._delta = _check_delta(delta)
         self._target = _check_target(target_epsilon)
+        self._max_steps = (None if max_steps is None else
+                           _check_count('max_steps', max_steps, 0))
         self._save_every = _check_count('save_every_steps', save_every_steps,
                                         1)
         self._verbose = int(verbose)
@@ -373,6 +382,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._begin_step = None
         self._blocked = None
         self._stopped_by_budget = False
+        self._stopped_at_max_steps = False
 
     # --- accounting -------------------------------------------------------
 
@@ -401,6 +411,10 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
     @property
     def orders(self) -> np.ndarray:
         return self._accountant.orders
+
+    @property
+    def max_steps(self) -> Optional[int]:
+        return self._max_steps
 
     @property
     def state_path(self) -> Optional[str]:
@@ -436,6 +450,11 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         """Whether the last `fit` was stopped to stay within the target."""
         return self._stopped_by_budget
 
+    @property
+    def stopped_at_max_steps(self) -> bool:
+        """Whether the last `fit` stopped because `max_steps` were taken."""
+        return self._stopped_at_max_steps
+
     def epsilon_after(self, extra_steps: int) -> float:
         """Epsilon if `extra_steps` more steps of `event` were taken."""
         extra_steps = _check_count('extra_steps', extra_steps, 0)
@@ -445,19 +464,26 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         return float(scratch.get_epsilon(self._delta))
 
     def can_take(self, extra_steps: int = 1) -> bool:
-        """Whether `extra_steps` more steps keep epsilon <= target_epsilon."""
+        """Whether `extra_steps` more steps stay within `max_steps` and keep
+        epsilon <= target_epsilon."""
+        if self._max_steps is not None and (
+                self._steps + extra_steps > self._max_steps):
+            return False
         if self._target is None:
             return True
         return self.epsilon_after(extra_steps) <= self._target
 
     def remaining_steps(self, limit: int = 10**9) -> Optional[int]:
-        """Most further steps within the target (capped at `limit`).
+        """Most further steps within the target and `max_steps` (capped at
+        `limit`).
 
-        None when there is no target.
+        None when there is neither.
         """
         limit = _check_count('limit', limit, 0)
+        if self._max_steps is not None:
+            limit = min(limit, max(0, self._max_steps - self._steps))
         if self._target is None:
-            return None
+            return None if self._max_steps is None else limit
         if not self.can_take(1):
             return 0
         low, high = 1, 1  # can_take(low) holds.
@@ -643,6 +669,12 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
     def _stop(self, k: int) -> None:
         self.model.stop_training = True
+        if self._max_steps is not None and self._steps + k > self._max_steps:
+            if self._verbose and not self._stopped_at_max_steps:
+                _LOGGER.warning('PrivacyLedger: stopping training after the '
+                                'planned %d steps (max_steps).', self._steps)
+            self._stopped_at_max_steps = True
+            return
         if not self._stopped_by_budget and self._verbose:
             _LOGGER.warning(
                 'PrivacyLedger: stopping training after %d steps: %d more '
@@ -655,9 +687,10 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         # Refused before any step runs, so nothing is charged for them.
         guards.check_no_example_mixing(self.model)
-        guards.check_event_matches_model(self._event, self.model)
+        guards.check_ledger_event(self._event, self.model)
         self._unblock()
         self._stopped_by_budget = False
+        self._stopped_at_max_steps = False
         # Steps that ran unseen since the last hook (an interrupted fit, a
         # custom loop) are charged now.
         self._charge_drawn_keys()
@@ -709,7 +742,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                          else self._begin_step)
                 self._charge_counted(batch - begin + 1)
         k = self._steps_per_execution()
-        if self._target is not None and not self.can_take(k):
+        if not self.can_take(k):
             self._stop(k)
 
     def _charge_counted(self, executed: int) -> None:

@@ -6,7 +6,6 @@ several); ``hybrid`` runs it on hybrid-clipping blocks of a ``HybridBasis``
 training path, on one device or several, and owns the secret step keys.
 """
 
-from tf_twice.mechanism.aggregation import AggregationParams
 from tf_twice.mechanism.aggregation import MASK_PRECISION_BITS
 from tf_twice.mechanism.aggregation import add_block_noise_and_normalize
 from tf_twice.mechanism.aggregation import add_noise_and_normalize

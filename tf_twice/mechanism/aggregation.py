@@ -53,17 +53,23 @@ streams of the single-block layout: with one block the numbers are those of
 ``clipped_masked_sum`` for the same key.
 """
 
-import dataclasses
 import math
 import numbers
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 import tensorflow as tf
+
+from tf_twice import _validate
+from tf_twice import config as config_lib
+# The q2 arithmetic belongs to the config (TF-free); the kernel uses it.
+from tf_twice.config import effective_coordinate_sampling_rate
+from tf_twice.config import mask_bits_per_coordinate
+from tf_twice.config import MASK_PRECISION_BITS
+from tf_twice.config import MAX_BLOCKS
 
 __all__ = [
     'MASK_PRECISION_BITS',
     'MAX_BLOCKS',
-    'AggregationParams',
     'add_block_noise_and_normalize',
     'add_noise_and_normalize',
     'clipped_masked_block_sums',
@@ -76,38 +82,14 @@ __all__ = [
     'validate_params',
 ]
 
-# A mask entry compares a uniform integer of b <= 16 random bits with
-# rate * 2**b, so the keep probability is exactly the dyadic rate
-# floor(q2 * 2**16) / 2**16. Random-bit generation dominates the cost of
-# masking, hence as few bits as the rate allows (``mask_bits_per_coordinate``).
-MASK_PRECISION_BITS = 16
-_MASK_LEVELS = 2**MASK_PRECISION_BITS
 _PHILOX_ALG = 1  # tf.random.Algorithm.PHILOX
 # The high 64 bits of the Philox counter select a stream: masks of tensor v of
 # block j use stream j * _BLOCK_STREAMS + v, its noise stream
 # j * _BLOCK_STREAMS + _NOISE_STREAM + v (block 0: the single-block layout).
 _NOISE_STREAM = 2**32
 _BLOCK_STREAMS = 2**40
-# Stream numbers must fit the signed 64-bit high word of the counter.
-MAX_BLOCKS = 2**22
 
 TensorLike = Union[tf.Tensor, int, float]
-
-
-def effective_coordinate_sampling_rate(
-        coordinate_sampling_rate: float) -> float:
-    """The keep probability the masks realise: floor(q2 * 2**16) / 2**16.
-
-    It equals q2 for dyadic rates such as 1/2 or 1/4 and is below q2 by less
-    than 2**-16 otherwise. The twice-sampling RDP bound is non-decreasing in q2
-    (the number of kept coordinates is stochastically increasing in q2), so
-    accounting at the nominal q2 covers the realised rate; the update is
-    normalised by the realised rate, so it stays unbiased.
-    """
-    q2 = float(coordinate_sampling_rate)
-    if q2 >= 1.0:
-        return 1.0
-    return math.floor(q2 * _MASK_LEVELS) / _MASK_LEVELS
 
 
 def validate_params(
@@ -120,190 +102,21 @@ def validate_params(
 ) -> None:
     """Raises ValueError naming the first argument outside its allowed range.
 
-    Arguments left as None are not checked (except ``linf_norm_clip``, for
-    which None means "no l-infinity clipping").
+    The kernel's explicit arguments get the config's checks
+    (``tf_twice._validate``); arguments left as None are not checked
+    (``linf_norm_clip=None`` means "no l-infinity clipping"). Noise 0 is
+    allowed here: the config decides whether a run may be noise-free.
     """
-
-    def _finite_number(name, value):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f'{name} must be a real number, got {value!r}.')
-        if not math.isfinite(value):
-            raise ValueError(f'{name} must be finite, got {value!r}.')
-
     if l2_norm_clip is not None:
-        _finite_number('l2_norm_clip', l2_norm_clip)
-        if l2_norm_clip <= 0:
-            raise ValueError(f'l2_norm_clip must be > 0, got {l2_norm_clip}.')
+        _validate.positive('l2_norm_clip', l2_norm_clip)
     if linf_norm_clip is not None:
-        _finite_number('linf_norm_clip', linf_norm_clip)
-        if linf_norm_clip <= 0:
-            raise ValueError(
-                'linf_norm_clip must be > 0 (or None for no l-infinity '
-                f'clipping), got {linf_norm_clip}.')
+        _validate.positive('linf_norm_clip', linf_norm_clip)
     if noise_multiplier is not None:
-        _finite_number('noise_multiplier', noise_multiplier)
-        if noise_multiplier < 0:
-            raise ValueError(
-                f'noise_multiplier must be >= 0, got {noise_multiplier}.')
+        _validate.non_negative('noise_multiplier', noise_multiplier)
     if coordinate_sampling_rate is not None:
-        _finite_number('coordinate_sampling_rate', coordinate_sampling_rate)
-        if not 0 < coordinate_sampling_rate <= 1:
-            raise ValueError(
-                'coordinate_sampling_rate must be in (0, 1], got '
-                f'{coordinate_sampling_rate}.')
-        if effective_coordinate_sampling_rate(coordinate_sampling_rate) <= 0:
-            raise ValueError(
-                'coordinate_sampling_rate must be >= '
-                f'2**-{MASK_PRECISION_BITS} (the mask resolution), got '
-                f'{coordinate_sampling_rate}.')
+        config_lib.check_coordinate_sampling_rate(coordinate_sampling_rate)
     if expected_batch_size is not None:
-        _finite_number('expected_batch_size', expected_batch_size)
-        if expected_batch_size <= 0:
-            raise ValueError(
-                f'expected_batch_size must be > 0, got {expected_batch_size}.')
-
-
-def _is_sequence(value) -> bool:
-    return isinstance(value, (list, tuple)) or (
-        hasattr(value, 'tolist') and getattr(value, 'ndim', 0) > 0)
-
-
-def _block_tuple(name: str, value, num_blocks: int) -> tuple:
-    values = tuple(value.tolist() if hasattr(value, 'tolist') else value)
-    if len(values) != num_blocks:
-        raise ValueError(
-            f'{name} must have one value per block ({num_blocks}, as '
-            f'l2_norm_clip), got {len(values)}: {value!r}.')
-    return values
-
-
-@dataclasses.dataclass(frozen=True)
-class AggregationParams:
-    """Validated parameters of one aggregation of one or several blocks.
-
-    One block (the common case): ``l2_norm_clip``, ``noise_multiplier`` and
-    ``linf_norm_clip`` are numbers (``linf_norm_clip`` may be None). Several
-    hybrid-clipping blocks (principal blocks, then the residual): they are
-    tuples of one value per block, m >= 2 of them (``linf_norm_clip`` may be
-    None for no l-infinity clipping in any block, and entries may be None).
-    Lists and numpy arrays are converted to tuples of floats.
-
-    Attributes:
-      l2_norm_clip: c2 > 0 (or c2_j per block), the l2 bound of one example's
-        flattened gradient (of its vector in block j).
-      noise_multiplier: z >= 0 (or z_j); the noise std on every coordinate
-        (of block j) is z * c2 (z_j * c2_j).
-      expected_batch_size: n * q1 > 0, the expected logical batch size (in
-        records); the update is divided by expected_batch_size * q2.
-      linf_norm_clip: c_inf > 0 or None (no l-infinity clipping), or one such
-        value per block. Values >= c2 have no effect on the sensitivity but
-        are applied as given.
-      coordinate_sampling_rate: q2 in (0, 1], shared by all blocks.
-    """
-
-    l2_norm_clip: Union[float, Tuple[float, ...]]
-    noise_multiplier: Union[float, Tuple[float, ...]]
-    expected_batch_size: float
-    linf_norm_clip: Union[None, float, Tuple[Optional[float], ...]] = None
-    coordinate_sampling_rate: float = 1.0
-
-    def __post_init__(self):
-        validate_params(
-            coordinate_sampling_rate=self.coordinate_sampling_rate,
-            expected_batch_size=self.expected_batch_size)
-        per_block = [_is_sequence(getattr(self, name)) for name in
-                     ('l2_norm_clip', 'noise_multiplier', 'linf_norm_clip')]
-        if any(per_block):
-            self._init_blocks()
-        else:
-            validate_params(l2_norm_clip=self.l2_norm_clip,
-                            linf_norm_clip=self.linf_norm_clip,
-                            noise_multiplier=self.noise_multiplier)
-            for name in ('l2_norm_clip', 'noise_multiplier',
-                         'linf_norm_clip'):
-                value = getattr(self, name)
-                if value is not None:
-                    # Plain floats keep configs JSON-serialisable.
-                    object.__setattr__(self, name, float(value))
-        for name in ('expected_batch_size', 'coordinate_sampling_rate'):
-            object.__setattr__(self, name, float(getattr(self, name)))
-
-    def _init_blocks(self) -> None:
-        """Validates per-block tuples (m >= 2 of equal length)."""
-        for name in ('l2_norm_clip', 'noise_multiplier'):
-            if not _is_sequence(getattr(self, name)):
-                raise ValueError(
-                    f'{name} must be a sequence of one value per block when '
-                    'another per-block argument is a sequence (several '
-                    'hybrid-clipping blocks); got '
-                    f'{getattr(self, name)!r}. Pass numbers for one block.')
-        clips = getattr(self, 'l2_norm_clip')
-        num_blocks = len(clips)
-        if num_blocks < 2:
-            raise ValueError(
-                'l2_norm_clip as a sequence means one value per hybrid-'
-                'clipping block, at least 2 (principal blocks, then the '
-                f'residual); got {clips!r}. Pass a number for one block.')
-        clips = _block_tuple('l2_norm_clip', clips, num_blocks)
-        noise = _block_tuple('noise_multiplier', self.noise_multiplier,
-                             num_blocks)
-        linf = self.linf_norm_clip
-        if linf is None:
-            linf = (None,) * num_blocks
-        elif not _is_sequence(linf):
-            raise ValueError(
-                'linf_norm_clip must be None or a sequence of one value (or '
-                f'None) per block ({num_blocks}) with several blocks; got '
-                f'{linf!r}.')
-        linf = _block_tuple('linf_norm_clip', linf, num_blocks)
-        for j in range(num_blocks):
-            try:
-                validate_params(l2_norm_clip=clips[j],
-                                linf_norm_clip=linf[j],
-                                noise_multiplier=noise[j])
-            except ValueError as err:
-                raise ValueError(f'block {j}: {err}') from err
-        object.__setattr__(self, 'l2_norm_clip',
-                           tuple(float(c) for c in clips))
-        object.__setattr__(self, 'noise_multiplier',
-                           tuple(float(z) for z in noise))
-        object.__setattr__(self, 'linf_norm_clip', tuple(
-            None if c is None else float(c) for c in linf))
-
-    @property
-    def num_blocks(self) -> int:
-        """m: 1 for scalar parameters, else the length of the tuples."""
-        return (len(self.l2_norm_clip)
-                if isinstance(self.l2_norm_clip, tuple) else 1)
-
-    @property
-    def l2_norm_clips(self) -> Tuple[float, ...]:
-        """c2_j for every block (a 1-tuple for one block)."""
-        return (self.l2_norm_clip if isinstance(self.l2_norm_clip, tuple)
-                else (self.l2_norm_clip,))
-
-    @property
-    def noise_multipliers(self) -> Tuple[float, ...]:
-        """z_j for every block."""
-        return (self.noise_multiplier
-                if isinstance(self.noise_multiplier, tuple)
-                else (self.noise_multiplier,))
-
-    @property
-    def linf_norm_clips(self) -> Tuple[Optional[float], ...]:
-        """c_inf_j (None: no l-infinity clipping) for every block."""
-        if isinstance(self.linf_norm_clip, tuple):
-            return self.linf_norm_clip
-        if self.num_blocks == 1:
-            return (self.linf_norm_clip,)
-        return (None,) * self.num_blocks
-
-    def to_dict(self) -> dict:
-        """The fields as a JSON-ready dict (per-block tuples as lists)."""
-        return {field.name: (list(value) if isinstance(value, tuple)
-                             else value)
-                for field in dataclasses.fields(self)
-                for value in [getattr(self, field.name)]}
+        _validate.positive('expected_batch_size', expected_batch_size)
 
 
 def draw_step_key(generator: tf.random.Generator) -> tf.Tensor:
@@ -320,18 +133,6 @@ def _counter(low: tf.Tensor, stream: int) -> tf.Tensor:
 
 def _num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(int(s) for s in shape))
-
-
-def mask_bits_per_coordinate(coordinate_sampling_rate: float) -> int:
-    """Random bits one mask entry uses: the least b in (1, 2, 4, 8, 16) with
-    q2 * 2**b an integer, else 16. Dyadic rates such as 1/2 (b = 1) need far
-    fewer random bits, and generating them dominates the cost of masking."""
-    levels = effective_coordinate_sampling_rate(
-        coordinate_sampling_rate) * _MASK_LEVELS
-    for bits in (1, 2, 4, 8):
-        if (levels / 2**(MASK_PRECISION_BITS - bits)).is_integer():
-            return bits
-    return MASK_PRECISION_BITS
 
 
 def _mask_stream(block: int, v: int) -> int:

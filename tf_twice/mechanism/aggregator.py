@@ -35,9 +35,8 @@ whether the accountant's epsilon holds:
 * **The basis** (``BasisVariables``, via ``hybrid.BasisHolder``): public,
   not checkpointed, swapped without retracing.
 
-Guarantee: with Poisson-sampled logical batches at rate q1, each
-``begin``..``finish`` is one ``TwiceSampledGaussianDpEvent`` with this
-aggregator's parameters (per block with a basis); the update is
+Guarantee: with Poisson-sampled logical batches at rate q1 (the config's),
+each ``begin``..``finish`` is one ``config.dp_event()``; the update is
 post-processing.
 """
 
@@ -50,6 +49,7 @@ from typing import Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from tf_twice import _files as files
+from tf_twice import config as config_lib
 from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
@@ -103,7 +103,7 @@ class StepKeys:
       seed: None (default): keys from OS entropy, never reproducible. An
         integer: a reproducible stream for experiments. It is positioned at
         its first draw: from a fresh start (step count 0 and the weights the
-        model had when wrapped by ``make_private``, ``record_start``) by a keyed hash of the
+        model had when wrapped by ``DPModel``, ``record_start``) by a keyed hash of the
         seed and the model's weights (``state_fingerprint``), so the same
         seed on the same initial model gives the same run; from anything
         else (a resumed or forked run, weights loaded or assigned after
@@ -296,29 +296,38 @@ class PrivateAggregator(hybrid.BasisHolder):
     """Clips, masks, sums and noises per-example gradients of logical batches.
 
     Args:
-      params: the step's validated ``AggregationParams`` (per-block tuples
-        with a basis).
-      basis: None (one block) or a ``HybridBasis`` learned from PUBLIC data.
+      config: the mechanism (``TwiceSamplingConfig``), calibrated (or
+        explicitly ``non_private``); one Block per basis block.
+      basis: None (one block) or a ``HybridBasis`` learned from PUBLIC data;
+        its block dimensions complete the config's blocks.
       seed: of the step keys (``StepKeys``); None uses OS entropy.
     """
 
-    def __init__(self, params: aggregation.AggregationParams,
+    def __init__(self, config: config_lib.TwiceSamplingConfig,
                  basis: Optional[basis_lib.HybridBasis] = None,
                  seed: Optional[int] = None) -> None:
-        if not isinstance(params, aggregation.AggregationParams):
-            raise ValueError('params must be AggregationParams; got '
-                             f'{type(params).__name__}.')
-        hybrid.check_block_params(params, basis)
-        self._params = params
+        hybrid.check_block_params(config, basis)
+        if not config.is_calibrated:
+            raise ValueError(
+                'config has no noise_multiplier: calibrate it first '
+                '(config.calibrate(target_epsilon=..., delta=..., steps=...)) '
+                'or give noise_multiplier explicitly.')
+        if basis is not None:
+            config = config.with_dimensions(basis.block_dimensions)
+        self._config = config
         # Untracked (see BasisVariables): the basis is not checkpointed.
         self._basis_variables = (None if basis is None else
                                  hybrid.BasisVariables(basis))
         self._keys = StepKeys(seed)
 
     @property
-    def dp_params(self) -> aggregation.AggregationParams:
-        """The validated clipping, sampling and noise parameters."""
-        return self._params
+    def config(self) -> config_lib.TwiceSamplingConfig:
+        """The mechanism every step runs (with the basis's dimensions)."""
+        return self._config
+
+    def dp_event(self):
+        """The DpEvent of one ``begin``..``finish`` on Poisson batches."""
+        return self._config.dp_event()
 
     @property
     def keys(self) -> StepKeys:
@@ -359,7 +368,7 @@ class PrivateAggregator(hybrid.BasisHolder):
         contributes nothing and changes no other row.
         """
         basis, matrices = self._basis_and_matrices(variables)
-        chunk = hybrid.block_sums(per_example_grads, self._params,
+        chunk = hybrid.block_sums(per_example_grads, self._config,
                                   basis=basis, matrices=matrices,
                                   weights=weights, key=key,
                                   example_offset=example_offset)
@@ -378,6 +387,6 @@ class PrivateAggregator(hybrid.BasisHolder):
         context, _ = _replica_context()
         add_noise = (None if context is None else tf.equal(
             context.replica_id_in_sync_group, 0))
-        return hybrid.noisy_update(sums, self._params, basis=basis,
+        return hybrid.noisy_update(sums, self._config, basis=basis,
                                    matrices=matrices, key=key,
                                    add_noise=add_noise)

@@ -38,6 +38,7 @@ from typing import List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from tf_twice import accounting
+from tf_twice import config as config_lib
 from tf_twice.accounting import conversion as conversion_lib
 from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import basis as basis_lib
@@ -57,50 +58,35 @@ __all__ = [
 BlockSums = List[List[tf.Tensor]]
 
 
-def block_params(basis: Optional[basis_lib.HybridBasis],
-                 **params) -> aggregation.AggregationParams:
-    """``AggregationParams(**params)``, checked to fit ``basis``.
-
-    The one place both training paths turn their clipping, sampling and
-    noise arguments into validated per-block parameters.
-    """
-    result = aggregation.AggregationParams(**params)
-    check_block_params(result, basis)
-    return result
-
-
-def check_block_params(params: aggregation.AggregationParams,
+def check_block_params(config: config_lib.TwiceSamplingConfig,
                        basis: Optional[basis_lib.HybridBasis]) -> None:
-    """Refuses per-block parameters that do not fit ``basis``.
+    """Refuses a config whose blocks do not fit ``basis``.
 
-    Without a basis, ``l2_norm_clip``, ``noise_multiplier`` and
-    ``linf_norm_clip`` must be numbers (one block). With a basis of m blocks
-    they must hold m values each: the principal blocks in order, then the
-    residual.
+    Without a basis the config must have one block; with a basis of m blocks
+    it must have m (the principal blocks in order, then the residual).
 
     Raises:
-      ValueError: naming the argument and the expected length.
+      ValueError: naming the expected number of blocks.
     """
+    if not isinstance(config, config_lib.TwiceSamplingConfig):
+        raise ValueError('config must be a tf_twice TwiceSamplingConfig; got '
+                         f'{type(config).__name__}.')
     if basis is not None and not isinstance(basis, basis_lib.HybridBasis):
         raise ValueError('basis must be a tf_twice HybridBasis or None; got '
                          f'{type(basis).__name__}.')
     if basis is None:
-        if params.num_blocks != 1:
+        if config.num_blocks != 1:
             raise ValueError(
-                'l2_norm_clip, noise_multiplier and linf_norm_clip are '
-                f'sequences of {params.num_blocks} per-block values, but no '
-                'basis is given: pass numbers for one block, or basis='
-                'HybridBasis(...) (e.g. from learn_basis) for hybrid '
-                'clipping.')
+                f'the config has {config.num_blocks} blocks, but no basis is '
+                'given: use one Block, or basis=HybridBasis(...) (e.g. from '
+                'learn_basis) for hybrid clipping.')
         return
     m = basis.num_blocks
-    if params.num_blocks != m:
-        got = ('a number' if params.num_blocks == 1 else
-               f'{params.num_blocks} values')
+    if config.num_blocks != m:
         raise ValueError(
-            f'l2_norm_clip, noise_multiplier and linf_norm_clip must hold one '
-            f'value per block of the basis: {m} ({m - 1} principal blocks, '
-            f'then the residual); got {got}. Split a global l2 budget with '
+            f'the config must have one Block per block of the basis: {m} '
+            f'({m - 1} principal blocks, then the residual); got '
+            f'{config.num_blocks}. Split a global l2 budget with '
             'split_l2_budget(c, public_block_norms(basis, public_grads)) and '
             'choose the noise with hybrid_noise_multipliers.')
 
@@ -241,7 +227,7 @@ def zero_block_sums(variables: Sequence[tf.Variable],
 
 
 def block_sums(per_example_grads: Sequence[tf.Tensor],
-               params: aggregation.AggregationParams,
+               config: config_lib.TwiceSamplingConfig,
                *,
                basis: Optional[basis_lib.HybridBasis] = None,
                matrices: Optional[Sequence[tf.Variable]] = None,
@@ -254,7 +240,7 @@ def block_sums(per_example_grads: Sequence[tf.Tensor],
 
     Args:
       per_example_grads: one tensor [B, *var_shape] per trainable variable.
-      params: the step's parameters; per-block tuples with a basis.
+      config: the mechanism; one block per basis block.
       basis: the hybrid-clipping basis, or None (one block).
       matrices: the tf.Variables holding the basis (``BasisVariables``), or
         None to use ``basis.group_matrices``.
@@ -265,13 +251,13 @@ def block_sums(per_example_grads: Sequence[tf.Tensor],
       ``sums[j][k]``; every example contributes to block j a vector of l2
       norm <= c2_j with coordinates in [-c_inf_j, c_inf_j].
     """
-    check_block_params(params, basis)
+    check_block_params(config, basis)
     blocks = split_into_blocks(per_example_grads, basis, matrices)
     return aggregation.clipped_masked_block_sums(
         blocks,
-        l2_norm_clips=params.l2_norm_clips,
-        linf_norm_clips=params.linf_norm_clips,
-        coordinate_sampling_rate=params.coordinate_sampling_rate,
+        l2_norm_clips=config.l2_norm_clips,
+        linf_norm_clips=config.linf_norm_clips,
+        coordinate_sampling_rate=config.coordinate_sampling_rate,
         weights=weights,
         key=key,
         example_offset=example_offset,
@@ -280,7 +266,7 @@ def block_sums(per_example_grads: Sequence[tf.Tensor],
 
 
 def noisy_update(sums: BlockSums,
-                 params: aggregation.AggregationParams,
+                 config: config_lib.TwiceSamplingConfig,
                  *,
                  basis: Optional[basis_lib.HybridBasis] = None,
                  matrices: Optional[Sequence[tf.Variable]] = None,
@@ -292,7 +278,7 @@ def noisy_update(sums: BlockSums,
 
     Args:
       sums: the ``block_sums`` of a whole logical batch.
-      params, basis, matrices: as in ``block_sums``.
+      config, basis, matrices: as in ``block_sums``.
       key: the step key (block j's noise uses block j's streams).
       noise: optional explicit N(0, 1) draws ``noise[j][k]`` (for tests).
       add_noise: None, or a boolean tensor true on exactly one replica of a
@@ -301,13 +287,13 @@ def noisy_update(sums: BlockSums,
     Returns:
       The update, one tensor per trainable variable (in its shape).
     """
-    check_block_params(params, basis)
+    check_block_params(config, basis)
     noisy = aggregation.add_block_noise_and_normalize(
         sums,
-        l2_norm_clips=params.l2_norm_clips,
-        noise_multipliers=params.noise_multipliers,
-        expected_batch_size=params.expected_batch_size,
-        coordinate_sampling_rate=params.coordinate_sampling_rate,
+        l2_norm_clips=config.l2_norm_clips,
+        noise_multipliers=config.noise_multipliers,
+        expected_batch_size=config.expected_batch_size,
+        coordinate_sampling_rate=config.coordinate_sampling_rate,
         key=key,
         noise=noise,
         noise_on_this_replica=add_noise)
