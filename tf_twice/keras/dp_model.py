@@ -349,6 +349,10 @@ class DPModel(tf.keras.Model):
             raise ValueError(
                 f'model must be a tf.keras.Model, got {type(model).__name__}.')
         guards.check_no_example_mixing(model)
+        if config is not None and not isinstance(
+                config, config_lib.TwiceSamplingConfig):
+            raise ValueError('config must be a tf_twice.TwiceSamplingConfig '
+                             f'or None; got {type(config).__name__}.')
         if physical_batch_size is None:
             physical_batch_size = default_physical_batch_size(model, config)
         self.physical_batch_size = _validate.integer(
