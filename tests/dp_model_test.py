@@ -1,5 +1,6 @@
 """Tests of the per-example (fast) training path, DPModel."""
 
+import json
 import warnings
 
 import numpy as np
@@ -11,7 +12,9 @@ from tests import tiny_models
 from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
-from tf_twice.keras import DPModel, PrivacyLedger, make_private
+from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.keras import DPModel, PrivacyLedger
+from tf_twice.keras import default_physical_batch_size
 from tf_twice.keras import guards
 from tf_twice.mechanism import aggregation as agg
 
@@ -33,8 +36,25 @@ def _loss(**kwargs):
                                                          **kwargs)
 
 
-def _private(model, lr=0.3, metrics=None, **dp_kwargs):
-    dp = make_private(model, **dp_kwargs)
+NUM_EXAMPLES = 24  # expected_batch_size 6 -> q1 = 0.25
+
+
+def _config(**changes):
+    fields = dict(num_examples=NUM_EXAMPLES, expected_batch_size=6.0,
+                  l2_norm_clip=0.6, linf_norm_clip=0.15, noise_multiplier=1.0,
+                  coordinate_sampling_rate=0.5)
+    fields.update(changes)
+    return TwiceSamplingConfig.single(**fields)
+
+
+CONFIG = _config()
+SEED = 17
+
+
+def _private(model, lr=0.3, metrics=None, config=CONFIG, seed=SEED,
+             physical_batch_size=4):
+    dp = DPModel(model, config, physical_batch_size=physical_batch_size,
+                 seed=seed)
     dp.compile(optimizer=tf.keras.optimizers.SGD(lr), loss=_loss(),
                metrics=metrics)
     return dp
@@ -53,43 +73,39 @@ def _assert_all_close(a_list, b_list, **kwargs):
 _next_key = tiny_models.fix_next_step_key
 
 
-DP = dict(l2_norm_clip=0.6, linf_norm_clip=0.15, noise_multiplier=1.0,
-          coordinate_sampling_rate=0.5, expected_batch_size=6.0, seed=17)
-
-
 @pytest.mark.parametrize('physical_batch_size', [8, 3])
 def test_dp_optimizer_runs_the_same_step_as_the_models_mechanism(
         physical_batch_size):
     x, y = _data(8)
-    via_optimizer = make_private(_mlp(),
-                                 physical_batch_size=physical_batch_size)
+    via_optimizer = DPModel(_mlp(), physical_batch_size=physical_batch_size)
     via_optimizer.compile(
         optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            learning_rate=0.3, **DP),
+            CONFIG, seed=SEED, learning_rate=0.3),
         loss=_loss())
     tiny_models.one_step(via_optimizer, x, y)
-    dp = _private(_mlp(), physical_batch_size=physical_batch_size, **DP)
+    dp = _private(_mlp(), physical_batch_size=physical_batch_size)
     tiny_models.one_step(dp, x, y)
     assert not np.allclose(_weights(dp)[0], _weights(_mlp())[0])
     _assert_all_close(_weights(dp), _weights(via_optimizer))
-    assert via_optimizer.dp_event(24) == dp.dp_event(24)
+    assert via_optimizer.config == dp.config == CONFIG
+    assert via_optimizer.dp_event() == dp.dp_event() == CONFIG.dp_event()
 
 
 def test_plain_model_with_dp_optimizer_is_refused_before_any_step():
     model = _mlp()
     initial = _weights(model)
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        learning_rate=0.3, **DP),
+        CONFIG, learning_rate=0.3),
         loss=_loss(reduction=tf.keras.losses.Reduction.NONE))
-    with pytest.raises(ValueError, match='make_private'):
+    with pytest.raises(ValueError, match=r'DPModel\(model\)'):
         model.fit(*_data(8), batch_size=8, epochs=1, verbose=0)
     _assert_all_close(_weights(model), initial, rtol=0, atol=0)
-    with pytest.raises(ValueError, match='make_private'):
-        PrivacyLedger.for_model(model, num_examples=24, delta=DELTA)
+    with pytest.raises(ValueError, match='must be a tf_twice.keras.DPModel'):
+        PrivacyLedger.for_model(model, delta=DELTA)
 
 
 def test_train_on_batch_is_refused():
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    dp = _private(_mlp())
     with pytest.raises(ValueError, match='record_steps'):
         dp.train_on_batch(*_data(4))
 
@@ -115,7 +131,7 @@ def _numpy_step(w, b, x, y, weights, masks, noise, c2, c_inf, z, exp_batch,
 def test_whole_step_matches_numpy_reference():
     x, y = _data(7, seed=3)
     weights = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)
-    dp = _private(_linear(), physical_batch_size=3, **DP)
+    dp = _private(_linear(), physical_batch_size=3)
     w0, b0 = _weights(dp)
     key = _next_key(dp)
     shapes = [w0.shape, b0.shape]
@@ -132,7 +148,7 @@ def test_microbatching_does_not_change_the_update():
     x, y = _data(10, seed=4)
     results = []
     for physical in (3, 16):  # 4 chunks (2 rows padding) vs 1 chunk
-        dp = _private(_mlp(), physical_batch_size=physical, **DP)
+        dp = _private(_mlp(), physical_batch_size=physical)
         tiny_models.one_step(dp, x, y)
         results.append(_weights(dp))
     for other in results[1:]:
@@ -140,7 +156,7 @@ def test_microbatching_does_not_change_the_update():
 
 
 def test_empty_logical_batch_is_a_pure_noise_step():
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    dp = _private(_mlp())
     initial = _weights(dp)
     key = _next_key(dp)
     noise = agg.standard_normal_noise(
@@ -168,7 +184,7 @@ def test_no_retracing_for_new_batch_sizes():
         lambda: ((x[:s], y[:s]) for s in sizes),
         output_signature=(tf.TensorSpec([None, NUM_FEATURES], tf.float32),
                           tf.TensorSpec([None], tf.int64)))
-    dp = CountingDPModel(_mlp(), physical_batch_size=4, **DP)
+    dp = CountingDPModel(_mlp(), CONFIG, physical_batch_size=4, seed=SEED)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=_loss())
     history = dp.fit(dataset, epochs=2, verbose=0)
     # tf.function traces twice when its first trace creates variables (the
@@ -191,7 +207,7 @@ def test_metrics_are_over_real_examples():
     real = weights == 1
     want_loss = per_example[real].mean()
     want_acc = (logits.argmax(1) == y)[real].mean()
-    dp = _private(model, physical_batch_size=4, metrics=['accuracy'], **DP)
+    dp = _private(model, metrics=['accuracy'])
     logs = tiny_models.one_step(dp, x, y, sample_weight=weights)
     np.testing.assert_allclose(logs['nonprivate_loss'], want_loss, rtol=1e-5)
     np.testing.assert_allclose(logs['nonprivate_accuracy'], want_acc, rtol=1e-6)
@@ -204,11 +220,11 @@ def test_non_finite_example_is_dropped():
     x, y = _data(6, seed=6)
     poisoned = x.copy()
     poisoned[3, 0] = np.inf
-    dp_kwargs = dict(DP, noise_multiplier=0.0)
-    dp = _private(_mlp(), physical_batch_size=4, **dp_kwargs)
+    silent = _config(noise_multiplier=0.0, non_private=True)
+    dp = _private(_mlp(), config=silent)
     tiny_models.one_step(dp, poisoned, y)
     # The same batch with example 3 given weight 0 has the same masks.
-    ref = _private(_mlp(), physical_batch_size=4, **dp_kwargs)
+    ref = _private(_mlp(), config=silent)
     tiny_models.one_step(ref, x, y, sample_weight=np.array([1, 1, 1, 0, 1, 1]))
     assert all(np.all(np.isfinite(w)) for w in _weights(dp))
     _assert_all_close(_weights(dp), _weights(ref))
@@ -216,7 +232,7 @@ def test_non_finite_example_is_dropped():
 
 def test_weights_above_one_are_refused():
     x, y = _data(4)
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    dp = _private(_mlp())
     with pytest.raises(tf.errors.InvalidArgumentError, match='in \\[0, 1\\]'):
         tiny_models.one_step(dp, x, y, sample_weight=np.array([1, 2, 1, 1]))
 
@@ -228,51 +244,99 @@ def test_batch_norm_is_refused():
     outer = tf.keras.Sequential([inner, tf.keras.layers.Dense(2)])
     # The check itself is tested in guards_test; here: the model path runs it.
     with pytest.raises(ValueError, match='GroupNormalization'):
-        make_private(outer, physical_batch_size=4, **DP)
+        DPModel(outer, CONFIG, physical_batch_size=4)
 
 
 def test_mechanism_is_given_exactly_once():
-    dp = make_private(_mlp(), physical_batch_size=4, **DP)
+    dp = DPModel(_mlp(), CONFIG, physical_batch_size=4)
     with pytest.raises(ValueError, match='already has its DP mechanism'):
         dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4),
-            loss=_loss())
-    bare = make_private(_mlp(), physical_batch_size=4)
+            CONFIG), loss=_loss())
+    bare = DPModel(_mlp(), physical_batch_size=4)
     with pytest.raises(ValueError, match='no DP mechanism'):
         bare.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=_loss())
-    with pytest.raises(ValueError, match='expected_batch_size'):
-        make_private(_mlp(), physical_batch_size=4, l2_norm_clip=1.0,
-                     noise_multiplier=1.0)
+    # The mechanism is a whole, calibrated config; nothing else stands in.
+    with pytest.raises(ValueError, match='seed need a config'):
+        DPModel(_mlp(), seed=1)
+    with pytest.raises(ValueError, match='TwiceSamplingConfig'):
+        DPModel(_mlp(), {'l2_norm_clip': 1.0, 'noise_multiplier': 1.0})
+    with pytest.raises(ValueError, match='calibrate'):
+        DPModel(_mlp(), _config(noise_multiplier=None))
 
 
-@pytest.mark.parametrize('kwargs, name', [
-    (dict(physical_batch_size=0), 'physical_batch_size'),
-    (dict(physical_batch_size=2.5), 'physical_batch_size'),
-    (dict(coordinate_sampling_rate=2.0), 'coordinate_sampling_rate'),
-    (dict(linf_norm_clip=0.0), 'linf_norm_clip'),
+@pytest.mark.parametrize('build, name', [
+    (lambda: DPModel(_mlp(), CONFIG, physical_batch_size=0),
+     'physical_batch_size'),
+    (lambda: DPModel(_mlp(), CONFIG, physical_batch_size=2.5),
+     'physical_batch_size'),
+    (lambda: DPModel(_mlp(), CONFIG, seed=-1), 'seed'),
+    (lambda: _config(coordinate_sampling_rate=2.0),
+     'coordinate_sampling_rate'),
+    (lambda: _config(linf_norm_clip=0.0), 'linf_norm_clip'),
 ])
-def test_invalid_arguments(kwargs, name):
-    full = dict(DP, physical_batch_size=4)
-    full.update(kwargs)
+def test_invalid_arguments(build, name):
     with pytest.raises(ValueError, match=name):
-        make_private(_mlp(), **full)
+        build()
 
 
 def test_config_round_trip_and_weights():
-    dp = make_private(_mlp(), physical_batch_size=4, **DP)
+    dp = DPModel(_mlp(), CONFIG, physical_batch_size=4, seed=SEED)
     assert len(dp.weights) == len(dp.inner_model.weights)
     config = dp.get_config()
+    assert config['config'] == CONFIG.to_dict()
+    json.dumps({k: v for k, v in config.items() if k != 'model'})
     clone = DPModel.from_config(config)
-    assert clone.get_config()['physical_batch_size'] == 4
-    for key in ('l2_norm_clip', 'linf_norm_clip', 'noise_multiplier',
-                'coordinate_sampling_rate', 'expected_batch_size'):
-        assert clone.get_config()[key] == config[key]
+    assert clone.get_config() == config
+    assert clone.physical_batch_size == 4
+    assert clone.config == CONFIG and clone.dp_event() == dp.dp_event()
+    # No seed or random state in the config (it would give away the noise).
     assert 'seed' not in config
+    # Without a config the mechanism comes from the optimizer at compile.
+    bare = DPModel(_mlp(), physical_batch_size=4).get_config()
+    assert 'config' not in bare
+    assert DPModel.from_config(bare).config is None
+
+
+def _dense(width, inputs=None):
+    layer = (tf.keras.layers.Dense(width) if inputs is None else
+             tf.keras.layers.Dense(width, input_shape=(inputs,)))
+    return tf.keras.Sequential([layer])
+
+
+@pytest.mark.parametrize('make_model, expected_batch_size, want', [
+    (_mlp, None, 256),  # d = 43: far more rows than 256 fit the cache.
+    (_mlp, 100.0, 128),  # No larger than the batch, rounded up to 2**k.
+    (_mlp, 6.0, 8),
+    (_mlp, 1.0, 8),  # Never below 8.
+    # d = 90,300: [64, d] float32 fit in 32 MiB, [128, d] do not.
+    (lambda: _dense(300, 300), None, 64),
+    (lambda: _dense(300, 300), 1000.0, 64),
+    # d = 4.2M: not even 8 rows fit, 8 is the floor.
+    (lambda: _dense(2048, 2048), None, 8),
+    (lambda: _dense(3), None, 64),  # Not built: d unknown.
+    (lambda: _dense(3), 20.0, 32),
+])
+def test_default_physical_batch_size(make_model, expected_batch_size, want):
+    config = (None if expected_batch_size is None else
+              _config(num_examples=1000,
+                      expected_batch_size=expected_batch_size))
+    size = default_physical_batch_size(make_model(), config)
+    assert size == want
+    assert isinstance(size, int) and 8 <= size <= 256
+    assert size & (size - 1) == 0  # A power of two.
+    if expected_batch_size is not None:
+        assert size <= max(8, 2 * expected_batch_size)
+
+
+def test_dp_model_defaults_its_physical_batch_size():
+    model = _mlp()
+    assert DPModel(model, CONFIG).physical_batch_size == (
+        default_physical_batch_size(model, CONFIG)) == 8
+    assert DPModel(_mlp()).physical_batch_size == 256
 
 
 # --- accounting: dp_event and the fit guards --------------------------------
 
-NUM_EXAMPLES = 24  # expected_batch_size 6 -> q1 = 0.25
 DELTA = 1e-5
 
 
@@ -291,18 +355,20 @@ def _poisson(num_examples=NUM_EXAMPLES, q1=0.25, steps=3, seed=1):
 
 
 def test_dp_event_is_the_models_step():
-    dp = make_private(_mlp(), physical_batch_size=4, **DP)
-    assert dp.dp_event(NUM_EXAMPLES) == _event()
-    assert dp.dp_event(6).example_sampling_rate == 1.0
-    with pytest.raises(ValueError, match='num_examples'):
-        dp.dp_event(5)  # q1 = 6 / 5 > 1
+    assert DPModel(_mlp(), CONFIG).dp_event() == _event()
+    whole = DPModel(_mlp(), _config(num_examples=6))
+    assert whole.dp_event().example_sampling_rate == 1.0
+    silent = DPModel(_mlp(), _config(noise_multiplier=0.0, non_private=True))
+    with pytest.raises(ValueError, match='non_private'):
+        silent.dp_event()
+    with pytest.raises(ValueError, match='no DP mechanism'):
+        DPModel(_mlp()).dp_event()
 
 
 def test_fit_with_ledger_on_poisson_batches_is_accounted():
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
-    ledger = PrivacyLedger.for_model(dp, num_examples=NUM_EXAMPLES,
-                                     delta=DELTA, verbose=0)
-    assert ledger.event == _event()
+    dp = _private(_mlp())
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    assert ledger.event == _event() == dp.dp_event()
     with warnings.catch_warnings():
         warnings.simplefilter('error', guards.NonPoissonInputWarning)
         dp.fit(_poisson(), epochs=2, callbacks=[ledger], verbose=0)
@@ -317,7 +383,7 @@ def test_fit_with_ledger_on_poisson_batches_is_accounted():
 def test_fit_with_ledger_refuses_non_poisson_input(make):
     data = make()
     args = data if isinstance(data, tuple) else (data,)
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    dp = _private(_mlp())
     initial = _weights(dp)
     ledger = PrivacyLedger(_event(), DELTA)
     with pytest.raises(ValueError, match='not Poisson sampling'):
@@ -336,14 +402,20 @@ def test_fit_with_ledger_refuses_non_poisson_input(make):
     (_event(noise_multiplier=1.1), None, 'noise_multiplier=1.1'),
     (_event(l2_norm_clip=1.0), None, 'l2_norm_clip=1.0'),
     (_event(linf_norm_clip=None), None, 'linf_norm_clip=None'),
-    (_event(coordinate_sampling_rate=1.0), None, 'coordinate_sampling_rate'),
-    # The dataset samples at another rate than the event.
+    (_event(coordinate_sampling_rate=1.0), None,
+     'coordinate_sampling_rate=1.0'),
+    (_event(example_sampling_rate=0.5), None, 'example_sampling_rate=0.5'),
+    (_event(block_dimensions=43), None, 'block_dimensions=43'),
+    # The dataset samples at another rate than the model's config.
     (_event(), lambda: _poisson(q1=0.5), 'must be equal'),
-    # Same q1, but q1 * n = 8 != expected_batch_size 6.
-    (_event(), lambda: _poisson(num_examples=32), 'example_sampling_rate'),
+    # Same q1, but from 32 examples, not the config's 24.
+    (_event(), lambda: _poisson(num_examples=32), 'num_examples=24'),
+    # Even with a ledger built for that n (another q1).
+    (_event(example_sampling_rate=6 / 32), lambda: _poisson(num_examples=32),
+     'example_sampling_rate=0.1875'),
 ])
 def test_fit_with_mismatched_ledger_is_refused(event, data, match):
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    dp = _private(_mlp())
     ledger = PrivacyLedger(event, DELTA)
     data = _poisson() if data is None else data()
     with pytest.raises(ValueError, match=match):
@@ -352,7 +424,7 @@ def test_fit_with_mismatched_ledger_is_refused(event, data, match):
 
 
 def test_ledger_in_a_callback_list_is_found():
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    dp = _private(_mlp())
     callbacks = tf.keras.callbacks.CallbackList(
         [PrivacyLedger(_event(noise_multiplier=2.0), DELTA)], model=dp)
     with pytest.raises(ValueError, match='noise_multiplier'):
@@ -360,7 +432,7 @@ def test_ledger_in_a_callback_list_is_found():
 
 
 def test_fit_without_ledger_trains_on_arrays():
-    dp = _private(_mlp(), physical_batch_size=4, **DP)
+    dp = _private(_mlp())
     with warnings.catch_warnings():
         warnings.simplefilter('error', guards.NonPoissonInputWarning)
         dp.fit(*_data(12), batch_size=6, epochs=1, verbose=0)
@@ -370,13 +442,15 @@ def test_fit_without_ledger_trains_on_arrays():
 
 
 def test_dp_model_without_basis_has_no_basis_state():
-    dp = make_private(_mlp(), physical_batch_size=4, **DP)
-    assert dp.basis is None and dp.dp_params.num_blocks == 1
-    assert dp.dp_event(NUM_EXAMPLES).block_dimensions is None
+    dp = DPModel(_mlp(), CONFIG, physical_batch_size=4)
+    assert dp.basis is None and dp.config.num_blocks == 1
+    assert dp.dp_event().block_dimensions is None
+    two_blocks = TwiceSamplingConfig(
+        num_examples=NUM_EXAMPLES, expected_batch_size=6.0,
+        blocks=(Block(l2_norm_clip=0.5, noise_multiplier=1.0),
+                Block(l2_norm_clip=0.1, noise_multiplier=1.0)))
     with pytest.raises(ValueError, match='no basis is given'):
-        make_private(_mlp(), physical_batch_size=4,
-                     **dict(DP, l2_norm_clip=(0.5, 0.1),
-                            noise_multiplier=(1.0, 1.0), linf_norm_clip=None))
+        DPModel(_mlp(), two_blocks, physical_batch_size=4)
 
 
 if __name__ == '__main__':

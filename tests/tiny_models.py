@@ -3,6 +3,9 @@
 import numpy as np
 import tensorflow as tf
 
+from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.keras import DPModel
+
 NUM_FEATURES, NUM_CLASSES = 4, 3
 
 
@@ -31,6 +34,40 @@ def linear(seed=0):
         tf.keras.layers.Dense(NUM_CLASSES, input_shape=(NUM_FEATURES,),
                               kernel_initializer='random_normal',
                               bias_initializer='random_normal')])
+
+
+def dp_config(*, expected_batch_size, num_examples=1000, l2_norm_clip=1.0,
+              noise_multiplier=1.0, linf_norm_clip=None,
+              coordinate_sampling_rate=1.0):
+    """The ``TwiceSamplingConfig`` of a mechanism in per-argument terms.
+
+    Sequences of ``l2_norm_clip``/``noise_multiplier`` (and
+    ``linf_norm_clip``, or None for every block) give one Block per
+    hybrid-clipping block. A noise multiplier of 0 gives a
+    ``non_private`` config (a noise-free baseline, never accounted).
+    """
+    clips = (tuple(l2_norm_clip) if isinstance(l2_norm_clip, (list, tuple))
+             else (l2_norm_clip,))
+    noise = (tuple(noise_multiplier)
+             if isinstance(noise_multiplier, (list, tuple))
+             else (noise_multiplier,) * len(clips))
+    linf = (tuple(linf_norm_clip) if isinstance(linf_norm_clip, (list, tuple))
+            else (linf_norm_clip,) * len(clips))
+    return TwiceSamplingConfig(
+        num_examples=num_examples, expected_batch_size=expected_batch_size,
+        coordinate_sampling_rate=coordinate_sampling_rate,
+        blocks=tuple(Block(l2_norm_clip=c, noise_multiplier=z,
+                           linf_norm_clip=i)
+                     for c, z, i in zip(clips, noise, linf, strict=True)),
+        non_private=0 in noise)
+
+
+def dp_model(model, *, physical_batch_size=None, seed=None, basis=None,
+             **mechanism):
+    """``DPModel(model, dp_config(**mechanism), ...)``."""
+    return DPModel(model, dp_config(**mechanism),
+                   physical_batch_size=physical_batch_size, seed=seed,
+                   basis=basis)
 
 
 def one_step(dp_model, x, y, sample_weight=None):
