@@ -1,5 +1,6 @@
 """Tests of the guard rails (tf_twice.keras.guards)."""
 
+import re
 import warnings
 
 import dp_accounting
@@ -8,11 +9,12 @@ import pytest
 import tensorflow as tf
 
 from tf_twice import optimizers
-from tf_twice.keras import make_private
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import guards
-from tf_twice.mechanism import aggregation
+from tf_twice.mechanism import basis as basis_lib
 
 
 def _dense(name='plain'):
@@ -215,11 +217,13 @@ def test_poisson_rate_mismatch_fails_even_when_not_strict():
         guards.check_poisson_input(_poisson(), strict='yes')
 
 
-# --- the ledger's event against the model's parameters ----------------------
+# --- the ledger's event against the model's ---------------------------------
 
-PARAMS = dict(l2_norm_clip=1.0, linf_norm_clip=0.25, noise_multiplier=1.1,
-              coordinate_sampling_rate=0.5, expected_batch_size=64.0)
-N = 1003  # (64 / 1003) * 1003 != 64 in floats: round-off is forgiven.
+N = 1003
+CONFIG = TwiceSamplingConfig.single(
+    num_examples=N, expected_batch_size=64.0, l2_norm_clip=1.0,
+    linf_norm_clip=0.25, noise_multiplier=1.1, coordinate_sampling_rate=0.5)
+DELTA = 1e-5
 
 
 def _event(**changes):
@@ -230,109 +234,117 @@ def _event(**changes):
     return TwiceSampledGaussianDpEvent(**fields)
 
 
-def test_matching_event_passes():
-    guards.check_event_matches(_event(), num_examples=N, **PARAMS)
-    guards.check_event_matches(_event(), **PARAMS)  # n unknown: q1 unchecked
-    # One-block tuples and an l-infinity clip >= c2 (no effect, as None).
-    guards.check_event_matches(
-        _event(noise_multiplier=(1.1,), l2_norm_clip=[1.0],
-               linf_norm_clip=None),
-        **dict(PARAMS, linf_norm_clip=3.0))
+def _named(field, value):
+    """The refusal shows the ledger's value of the field."""
+    return re.escape(f'{field}={value!r}') + '.*for_model'
 
 
-@pytest.mark.parametrize('changes, field', [
-    (dict(noise_multiplier=1.2), 'noise_multiplier'),
-    (dict(noise_multiplier=1.1 * (1 + 1e-6)), 'noise_multiplier'),
-    (dict(l2_norm_clip=0.5), 'l2_norm_clip'),
-    (dict(linf_norm_clip=0.1), 'linf_norm_clip'),  # Understates sensitivity.
-    (dict(linf_norm_clip=None), 'linf_norm_clip'),
-    (dict(coordinate_sampling_rate=0.25), 'coordinate_sampling_rate'),
-    (dict(example_sampling_rate=65 / N), 'example_sampling_rate'),
+def test_the_models_own_event_passes():
+    model = DPModel(_dense(), CONFIG, physical_batch_size=4)
+    assert model.dp_event() == _event() == CONFIG.dp_event()
+    guards.check_ledger_event(_event(), model)
+    ledger = PrivacyLedger.for_model(model, delta=DELTA)
+    assert ledger.event == model.dp_event()
+    guards.check_ledger_event(ledger.event, model)
+
+
+@pytest.mark.parametrize('field, value', [
+    ('noise_multiplier', 1.2),
+    ('noise_multiplier', 1.1 * (1 + 1e-6)),
+    ('l2_norm_clip', 0.5),
+    ('linf_norm_clip', 0.1),  # Understates the sensitivity.
+    ('linf_norm_clip', None),
+    ('coordinate_sampling_rate', 0.25),
+    ('example_sampling_rate', 65 / N),
+    ('block_dimensions', 33),
 ])
-def test_mismatched_field_is_named(changes, field):
-    with pytest.raises(ValueError, match=f'{field}=.*for_model'):
-        guards.check_event_matches(_event(**changes), num_examples=N,
-                                   **PARAMS)
+def test_an_event_differing_in_any_field_is_refused(field, value):
+    model = DPModel(_dense(), CONFIG, physical_batch_size=4)
+    with pytest.raises(ValueError, match=_named(field, value)):
+        guards.check_ledger_event(_event(**{field: value}), model)
 
 
-def test_model_without_linf_clip_refuses_event_with_one():
-    with pytest.raises(ValueError, match='linf_norm_clip'):
-        guards.check_event_matches(_event(),
-                                   **dict(PARAMS, linf_norm_clip=None))
+@pytest.mark.parametrize('event', [
+    # Descriptions that bound the same step are refused too: only the
+    # model's own event is accounted (build it with for_model).
+    _event(noise_multiplier=(1.1,), l2_norm_clip=(1.0,),
+           linf_norm_clip=(0.25,)),
+    _event(block_dimensions=34),  # d of _dense(), but not the model's event.
+    dp_accounting.PoissonSampledDpEvent(64 / N,
+                                        dp_accounting.GaussianDpEvent(1.1)),
+])
+def test_only_the_models_own_event_passes(event):
+    model = DPModel(_dense(), CONFIG, physical_batch_size=4)
+    with pytest.raises(ValueError, match='for_model'):
+        guards.check_ledger_event(event, model)
 
 
-def test_event_kind_blocks_and_dimensions():
-    gaussian = dp_accounting.PoissonSampledDpEvent(
-        0.1, dp_accounting.GaussianDpEvent(1.1))
-    with pytest.raises(ValueError, match='TwiceSampledGaussianDpEvent'):
-        guards.check_event_matches(gaussian, **PARAMS)
-    two_blocks = _event(noise_multiplier=(1.1, 2.0), l2_norm_clip=(1.0, 1.0),
-                        linf_norm_clip=None)
-    with pytest.raises(ValueError, match='2 blocks'):
-        guards.check_event_matches(two_blocks, **PARAMS)
-    sized = _event(block_dimensions=3)
-    with pytest.raises(ValueError, match='build the model'):
-        guards.check_event_matches(sized, **PARAMS)
-    with pytest.raises(ValueError, match='block_dimensions=3'):
-        guards.check_event_matches(sized, num_parameters=10, **PARAMS)
-    guards.check_event_matches(sized, num_parameters=3, **PARAMS)
-
-
-def test_dp_event_from_params():
-    params = aggregation.AggregationParams(**PARAMS)
-    assert guards.dp_event_from_params(params, N) == _event()
+def test_for_model_builds_exactly_the_models_event():
+    model = DPModel(_dense(), CONFIG, physical_batch_size=4)
+    assert PrivacyLedger.for_model(model, delta=DELTA).event == _event()
+    silent = DPModel(_dense(), TwiceSamplingConfig.single(
+        num_examples=N, expected_batch_size=64.0, noise_multiplier=0.0,
+        non_private=True), physical_batch_size=4)
+    with pytest.raises(ValueError, match='non_private'):
+        PrivacyLedger.for_model(silent, delta=DELTA)
+    with pytest.raises(ValueError, match='non_private'):
+        guards.check_ledger_event(_event(), silent)
+    # n is validated once, by the config the event is derived from.
     for bad in (63, 0, 64.0, True, None):
         with pytest.raises(ValueError, match='num_examples'):
-            guards.dp_event_from_params(params, bad)
-    silent = aggregation.AggregationParams(**dict(PARAMS,
-                                                  noise_multiplier=0.0))
-    with pytest.raises(ValueError, match='noise_multiplier must be > 0'):
-        guards.dp_event_from_params(silent, N)
-    with pytest.raises(ValueError, match='params'):
-        guards.dp_event_from_params(PARAMS, N)
+            TwiceSamplingConfig.single(num_examples=bad,
+                                       expected_batch_size=64.0,
+                                       noise_multiplier=1.1)
 
 
 def _compiled():
-    """A make_private wrapper compiled with a tf_twice DP optimizer."""
-    model = make_private(_dense(), physical_batch_size=4)
+    """A DPModel without a config, compiled with a tf_twice DP optimizer."""
+    model = DPModel(_dense(), physical_batch_size=4)
     optimizer = optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        learning_rate=0.1, **PARAMS)
+        CONFIG, learning_rate=0.1)
     model.compile(optimizer=optimizer, loss=tf.keras.losses.MeanSquaredError())
     return model
 
 
-def test_model_dp_params_of_optimizer_and_plain_models():
-    assert guards.model_dp_params(_dense()) is None
-    plain = _dense()
-    plain.compile(optimizer='sgd', loss='mse')
-    assert guards.model_dp_params(plain) is None
+def test_optimizer_and_plain_models():
     model = _compiled()
-    assert guards.model_dp_params(model) == aggregation.AggregationParams(
-        **PARAMS)
-    assert guards.check_event_matches_model(_event(), model, num_examples=N)
-    assert not guards.check_event_matches_model(_event(noise_multiplier=9.0),
-                                                plain)
-    with pytest.raises(ValueError, match='noise_multiplier=9.0'):
-        guards.check_event_matches_model(_event(noise_multiplier=9.0), model)
-    # _dense() has 3*4+4 + 4+4 (LayerNorm) + 4*2+2 = 34 trainable numbers.
-    guards.check_event_matches_model(_event(block_dimensions=34), model)
-    with pytest.raises(ValueError, match='block_dimensions'):
-        guards.check_event_matches_model(_event(block_dimensions=33), model)
+    assert model.config == CONFIG and model.dp_event() == _event()
+    guards.check_ledger_event(_event(), model)
+    assert PrivacyLedger.for_model(model, delta=DELTA).event == _event()
+    with pytest.raises(ValueError, match=_named('noise_multiplier', 9.0)):
+        guards.check_ledger_event(_event(noise_multiplier=9.0), model)
+    # A plain Keras model's steps are counted as the given event.
+    plain = _dense()
+    guards.check_ledger_event(_event(noise_multiplier=9.0), plain)
+    plain.compile(optimizer='sgd', loss='mse')
+    guards.check_ledger_event(_event(noise_multiplier=9.0), plain)
+    # A DPModel with no mechanism yet has no event to account.
+    with pytest.raises(ValueError, match='no DP mechanism yet'):
+        guards.check_ledger_event(_event(), DPModel(_dense()))
 
 
 def test_plain_model_with_dp_optimizer_is_refused():
     model = _dense()
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        learning_rate=0.1, **PARAMS), loss='mse')
-    with pytest.raises(ValueError, match='not isolated.*make_private'):
-        guards.model_dp_params(model)
+        CONFIG, learning_rate=0.1), loss='mse')
+    with pytest.raises(ValueError, match=r'not isolated.*DPModel\(model\)'):
+        guards.check_ledger_event(_event(), model)
 
 
 # --- several blocks (hybrid clipping) ---------------------------------------
 
-BLOCKS = dict(l2_norm_clip=(0.8, 0.6), linf_norm_clip=(0.1, None),
-              noise_multiplier=(1.2, 2.0), coordinate_sampling_rate=0.5,
-              expected_batch_size=64.0)
+BLOCKS = TwiceSamplingConfig(
+    num_examples=N, expected_batch_size=64.0, coordinate_sampling_rate=0.5,
+    blocks=(Block(l2_norm_clip=0.8, noise_multiplier=1.2, linf_norm_clip=0.1),
+            Block(l2_norm_clip=0.6, noise_multiplier=2.0)))
+
+
+def _basis():
+    """A basis of _dense()'s 34 parameters: a principal block of rank 7."""
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal((16,) + tuple(v.shape)).astype(np.float32)
+             for v in _dense().trainable_variables]
+    return basis_lib.learn_basis(grads, [7])
 
 
 def _blocks_event(**changes):
@@ -343,49 +355,29 @@ def _blocks_event(**changes):
     return TwiceSampledGaussianDpEvent(**fields)
 
 
-def test_multi_block_event_matches_block_by_block():
-    guards.check_event_matches(_blocks_event(), num_examples=N,
-                               block_dimensions=(7, 34), **BLOCKS)
-    # No dimensions in the event: sound, only looser; accepted.
-    guards.check_event_matches(_blocks_event(block_dimensions=None),
-                               **BLOCKS)
-    # An l-infinity clip >= c2 is the same bound as None.
-    guards.check_event_matches(
-        _blocks_event(linf_norm_clip=(0.1, 5.0)), block_dimensions=(7, 34),
-        **BLOCKS)
+def test_multi_block_event_is_the_models_block_by_block():
+    model = DPModel(_dense(), BLOCKS, physical_batch_size=4, basis=_basis())
+    assert model.dp_event() == _blocks_event()
+    assert model.config.dimensions == (7, 34)
+    guards.check_ledger_event(_blocks_event(), model)
+    assert PrivacyLedger.for_model(model, delta=DELTA).event == (
+        _blocks_event())
 
 
-@pytest.mark.parametrize('changes, match', [
-    (dict(noise_multiplier=(1.2, 2.1)), r'noise_multiplier=.*\(block 1\)'),
-    (dict(l2_norm_clip=(0.7, 0.6)), r'l2_norm_clip=.*\(block 0\)'),
-    (dict(linf_norm_clip=(0.1, 0.05)), r'linf_norm_clip=.*\(block 1'),
-    (dict(block_dimensions=(6, 34)), 'block_dimensions=.*principal ranks'),
-    (dict(noise_multiplier=(1.2, 2.0, 1.0), l2_norm_clip=(0.8, 0.6, 1.0),
-          linf_norm_clip=None, block_dimensions=None), '3 blocks'),
+@pytest.mark.parametrize('changes', [
+    dict(noise_multiplier=(1.2, 2.1)),
+    dict(l2_norm_clip=(0.7, 0.6)),
+    dict(linf_norm_clip=(0.1, 0.05)),
+    dict(linf_norm_clip=None),
+    dict(block_dimensions=(6, 34)),
+    dict(block_dimensions=None),  # Looser, but not the model's event.
+    dict(noise_multiplier=(1.2, 2.0, 1.0), l2_norm_clip=(0.8, 0.6, 1.0),
+         linf_norm_clip=None, block_dimensions=None),
+    dict(noise_multiplier=1.2, l2_norm_clip=0.8, linf_norm_clip=0.1,
+         block_dimensions=None),
 ])
-def test_multi_block_mismatch_is_named(changes, match):
-    with pytest.raises(ValueError, match=match):
-        guards.check_event_matches(_blocks_event(**changes), num_examples=N,
-                                   block_dimensions=(7, 34), **BLOCKS)
-
-
-def test_multi_block_event_needs_the_models_dimensions():
-    with pytest.raises(ValueError, match="model's basis"):
-        guards.check_event_matches(_blocks_event(), **BLOCKS)
-    with pytest.raises(ValueError, match='1 block'):
-        guards.check_event_matches(_blocks_event(), **PARAMS)
-
-
-def test_dp_event_from_multi_block_params():
-    params = aggregation.AggregationParams(**BLOCKS)
-    event = guards.dp_event_from_params(params, N, block_dimensions=(7, 34))
-    assert event == _blocks_event()
-    assert guards.dp_event_from_params(params, N) == _blocks_event(
-        block_dimensions=None)
-    with pytest.raises(ValueError, match='one entry per block'):
-        guards.dp_event_from_params(params, N, block_dimensions=(7,))
-    silent = aggregation.AggregationParams(**dict(
-        BLOCKS, noise_multiplier=(1.0, 0.0)))
-    with pytest.raises(ValueError, match=r'> 0 for a DP guarantee \(block 1'):
-        guards.dp_event_from_params(silent, N)
-    assert guards.model_basis(_dense()) is None
+def test_multi_block_mismatch_is_refused(changes):
+    model = DPModel(_dense(), BLOCKS, physical_batch_size=4, basis=_basis())
+    field, value = next(iter(changes.items()))
+    with pytest.raises(ValueError, match=_named(field, value)):
+        guards.check_ledger_event(_blocks_event(**changes), model)
