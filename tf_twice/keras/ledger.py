@@ -569,7 +569,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                 raise ValueError('event is required: the state has no steps '
                                  'to take it from.')
             event = segments[-1][0]
-        if state_path is not None and os.path.exists(os.fspath(state_path)):
+        if state_path is not None:
+            state_path = _check_state_path(state_path)
+        if state_path is not None and os.path.exists(state_path):
             raise ValueError(f'state_path={state_path!r} already holds a '
                              'ledger; load it with PrivacyLedger(event, '
                              'delta, state_path=...) so neither is lost.')
@@ -581,8 +583,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                             if target_epsilon is None else target_epsilon),
             save_every_steps=save_every_steps, orders=orders,
             log_dir=log_dir, verbose=verbose, history=state)
-        ledger._state_path = (None if state_path is None else
-                              os.fspath(state_path))
+        ledger._state_path = state_path
         ledger._disk_steps = 0  # Nothing on disk yet.
         return ledger
 
