@@ -13,8 +13,8 @@ from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
+from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel
-from tf_twice.keras import make_private
 from tf_twice.keras import ledger as ledger_lib
 from tf_twice.keras.ledger import PrivacyLedger
 
@@ -125,6 +125,7 @@ def test_steps_per_execution_stops_at_a_multiple():
 
 
 def test_save_and_resume_keeps_privacy_spent(tmp_path):
+    (tmp_path / 'ckpt').mkdir()  # A missing directory is refused.
     path = str(tmp_path / 'ckpt' / 'privacy_ledger.json')
     model = _model()
     model.fit(_data(), epochs=1, callbacks=[PrivacyLedger(
@@ -307,6 +308,9 @@ def test_log_dir_writes_epsilon_scalar(tmp_path):
     (dict(event=dp_accounting.PoissonSampledDpEvent(0.1, EVENT)),
      'PoissonSampledDpEvent'),
     (dict(state_path=3), 'state_path'),
+    (dict(max_steps=-1), 'max_steps'),
+    (dict(max_steps=1.5), 'max_steps'),
+    (dict(max_steps=True), 'max_steps'),
 ])
 def test_bad_arguments(kwargs, match):
     args = dict(event=EVENT, delta=DELTA)
@@ -321,20 +325,123 @@ def test_bad_arguments(kwargs, match):
 
 
 
+# --- max_steps: the plan's end ---------------------------------------------
+
+
+def test_max_steps_stops_fit_exactly_there():
+    model = _model()
+    ledger = PrivacyLedger(EVENT, DELTA, max_steps=7, verbose=0)
+    assert ledger.max_steps == 7 and ledger.remaining_steps() == 7
+    model.fit(_data(), epochs=5, callbacks=[ledger], verbose=0)
+    assert ledger.stopped_at_max_steps and not ledger.stopped_by_budget
+    assert ledger.steps == 7 == int(model.optimizer.iterations)
+    assert ledger.remaining_steps() == 0 and not ledger.can_take(1)
+    # A later fit runs no step at all.
+    model.fit(_data(), epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 7 == int(model.optimizer.iterations)
+    assert ledger.stopped_at_max_steps
+
+
+def test_max_steps_zero_runs_no_step():
+    model = _model()
+    initial = model.get_weights()
+    ledger = PrivacyLedger(EVENT, DELTA, max_steps=0, verbose=0)
+    model.fit(_data(), epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 0 == int(model.optimizer.iterations)
+    for a, b in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_max_steps_with_steps_per_execution_stops_at_a_multiple():
+    model = _model(steps_per_execution=3)
+    ledger = PrivacyLedger(EVENT, DELTA, max_steps=7, verbose=0)
+    model.fit(_data(steps=30), epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 6 == int(model.optimizer.iterations)
+    assert ledger.stopped_at_max_steps
+
+
+def test_remaining_steps_respects_max_steps_and_the_target():
+    ledger = PrivacyLedger(EVENT, DELTA, max_steps=10)
+    ledger.record_steps(4)
+    assert ledger.remaining_steps() == 6
+    assert ledger.remaining_steps(limit=2) == 2
+    assert ledger.can_take(6) and not ledger.can_take(7)
+    # The tighter of the two limits wins.
+    assert PrivacyLedger(EVENT, DELTA, max_steps=10,
+                         target_epsilon=_target_between(3)
+                         ).remaining_steps() == 3
+    assert PrivacyLedger(EVENT, DELTA, max_steps=2,
+                         target_epsilon=_target_between(3)
+                         ).remaining_steps() == 2
+    assert PrivacyLedger(EVENT, DELTA).remaining_steps() is None
+    over = PrivacyLedger(EVENT, DELTA, max_steps=3)
+    over.record_steps(5)  # Recorded by hand past the plan.
+    assert over.remaining_steps() == 0 and not over.can_take(1)
+
+
+def test_max_steps_counts_resumed_steps(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    model = _model()
+    model.fit(_data(steps=4), epochs=1, callbacks=[PrivacyLedger(
+        EVENT, DELTA, state_path=path, verbose=0)], verbose=0)
+    resumed = PrivacyLedger(EVENT, DELTA, state_path=path, max_steps=7,
+                            verbose=0)
+    assert resumed.steps == 4 and resumed.remaining_steps() == 3
+    model.fit(_data(), epochs=5, callbacks=[resumed], verbose=0)
+    assert resumed.steps == 7 and resumed.stopped_at_max_steps
+    assert int(model.optimizer.iterations) == 4 + 3
+    assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 7
+
+
+# --- state_path is checked up front -------------------------------------------
+
+
+def test_state_path_that_cannot_be_written_is_refused_up_front(
+        tmp_path, monkeypatch):
+    missing = str(tmp_path / 'no_such_dir' / 'ledger.json')
+    with pytest.raises(ValueError, match='does not exist'):
+        PrivacyLedger(EVENT, DELTA, state_path=missing)
+    with pytest.raises(ValueError, match='is a directory'):
+        PrivacyLedger(EVENT, DELTA, state_path=str(tmp_path))
+    state = PrivacyLedger(EVENT, DELTA).get_state()
+    with pytest.raises(ValueError, match='does not exist'):
+        PrivacyLedger.from_state(state, event=EVENT, state_path=missing)
+    real_access = ledger_lib.os.access
+    monkeypatch.setattr(
+        ledger_lib.os, 'access',
+        lambda path, mode, **kw: (False if os.fspath(path) == str(tmp_path)
+                                  else real_access(path, mode, **kw)))
+    with pytest.raises(ValueError, match='not writable'):
+        PrivacyLedger(EVENT, DELTA, state_path=str(tmp_path / 'l.json'))
+    # Nothing was created on the way.
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(ledger_lib.os, 'access', real_access)
+    PrivacyLedger(EVENT, DELTA, state_path=str(tmp_path / 'l.json'))
+
+
 # --- for_model and the checks at the start of fit ---------------------------
 
-# The parameters of EVENT's step on the 64 examples of X (q1 = 16 / 64).
-DP_PARAMS = dict(l2_norm_clip=1.0, linf_norm_clip=0.5, noise_multiplier=1.0,
-                 coordinate_sampling_rate=0.5, expected_batch_size=16)
+# EVENT's step on the 64 examples of X (q1 = 16 / 64).
+CONFIG = TwiceSamplingConfig.single(
+    num_examples=64, expected_batch_size=16, l2_norm_clip=1.0,
+    linf_norm_clip=0.5, noise_multiplier=1.0, coordinate_sampling_rate=0.5)
 
 
-def _dp_optimizer_model(**changes):
-    """The optimizer path: a make_private wrapper compiled with a tf_twice
-    DP optimizer, which carries the mechanism."""
-    model = make_private(_model(), physical_batch_size=8)
+def _config(**changes):
+    fields = dict(num_examples=64, expected_batch_size=16, l2_norm_clip=1.0,
+                  linf_norm_clip=0.5, noise_multiplier=1.0,
+                  coordinate_sampling_rate=0.5)
+    fields.update(changes)
+    return TwiceSamplingConfig.single(**fields)
+
+
+def _dp_optimizer_model(config=CONFIG, **optimizer_kwargs):
+    """The optimizer path: a DPModel without a config, compiled with a
+    tf_twice DP optimizer, which carries the mechanism."""
+    model = DPModel(_model(), physical_batch_size=8)
     model.compile(
         optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            learning_rate=0.1, seed=0, **dict(DP_PARAMS, **changes)),
+            config, learning_rate=0.1, seed=0, **optimizer_kwargs),
         loss=tf.keras.losses.MeanSquaredError())
     return model
 
@@ -342,14 +449,13 @@ def _dp_optimizer_model(**changes):
 def _plain_model_with_dp_optimizer():
     model = _model()
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        learning_rate=0.1, **DP_PARAMS), loss=tf.keras.losses.MeanSquaredError(
+        CONFIG, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError(
             reduction=tf.keras.losses.Reduction.NONE))
     return model
 
 
 def _dp_model(**changes):
-    dp = DPModel(_model(), physical_batch_size=8, seed=0,
-                 **dict(DP_PARAMS, **changes))
+    dp = DPModel(_model(), _config(**changes), physical_batch_size=8, seed=0)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse')
     return dp
 
@@ -358,26 +464,31 @@ def test_for_model_builds_the_models_event(tmp_path):
     path = str(tmp_path / 'ledger.json')
     dp = _dp_model()
     ledger = PrivacyLedger.for_model(
-        dp, num_examples=64, delta=DELTA, target_epsilon=50.0,
+        dp, delta=DELTA, target_epsilon=50.0, max_steps=9,
         state_path=path, save_every_steps=3, orders=[2, 4, 8], verbose=0)
-    assert ledger.event == EVENT == dp.dp_event(64)
-    assert (ledger.delta, ledger.target_epsilon, ledger.state_path) == (
-        DELTA, 50.0, path)
+    assert ledger.event == EVENT == dp.dp_event()
+    assert (ledger.delta, ledger.target_epsilon, ledger.max_steps,
+            ledger.state_path) == (DELTA, 50.0, 9, path)
     np.testing.assert_array_equal(ledger.orders, [2, 4, 8])
     optimizer_model = _dp_optimizer_model()
-    assert PrivacyLedger.for_model(optimizer_model, num_examples=64,
+    assert PrivacyLedger.for_model(optimizer_model,
                                    delta=DELTA).event == EVENT
 
 
 @pytest.mark.parametrize('make, kwargs, match', [
     (lambda: _model(), {}, 'DPModel'),  # A plain SGD optimizer.
     (lambda: _dp_optimizer_model(num_microbatches=4), {}, 'num_microbatches'),
-    (_plain_model_with_dp_optimizer, {}, 'make_private'),
-    (_dp_model, dict(num_examples=15), 'num_examples'),
+    (_plain_model_with_dp_optimizer, {}, 'DPModel'),
+    (lambda: DPModel(_model()), {}, 'no DP mechanism'),
+    (lambda: _dp_model(noise_multiplier=0.0, non_private=True), {},
+     'non_private'),
+    (lambda: _dp_model(num_examples=15), {}, 'num_examples = 15'),
     (_dp_model, dict(delta=2.0), 'delta'),
+    (_dp_model, dict(max_steps=-3), 'max_steps'),
+    (_dp_model, dict(state_path='/no/such/dir/ledger.json'), 'state_path'),
 ])
 def test_for_model_refusals(make, kwargs, match):
-    args = dict(num_examples=64, delta=DELTA)
+    args = dict(delta=DELTA)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         PrivacyLedger.for_model(make(), **args)
@@ -385,10 +496,10 @@ def test_for_model_refusals(make, kwargs, match):
 
 def test_optimizer_path_is_accounted_and_checked():
     model = _dp_optimizer_model()
-    ledger = PrivacyLedger.for_model(model, num_examples=64, delta=DELTA)
+    ledger = PrivacyLedger.for_model(model, delta=DELTA)
     model.fit(_data(steps=2), epochs=1, callbacks=[ledger], verbose=0)
     assert ledger.steps == 2 == int(model.optimizer.iterations)
-    other = _dp_optimizer_model(noise_multiplier=0.8)
+    other = _dp_optimizer_model(_config(noise_multiplier=0.8))
     with pytest.raises(ValueError, match='noise_multiplier=1.0.*0.8'):
         other.fit(_data(steps=2), callbacks=[PrivacyLedger(EVENT, DELTA)],
                   verbose=0)
@@ -399,11 +510,16 @@ def test_optimizer_path_is_accounted_and_checked():
         model.fit(tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64)
                   .batch(8), callbacks=[PrivacyLedger(EVENT, DELTA)],
                   verbose=0)
-    wrong_n = sampling.poisson_batches(
-        np.concatenate([x, x]), np.concatenate([y, y]),
-        physical_batch_size=8, expected_batch_size=16, steps=2)
-    with pytest.raises(ValueError, match='example_sampling_rate'):
-        model.fit(wrong_n, callbacks=[PrivacyLedger(EVENT, DELTA)],
+    twice = (np.concatenate([x, x]), np.concatenate([y, y]))
+    other_q1 = sampling.poisson_batches(
+        *twice, physical_batch_size=8, expected_batch_size=16, steps=2)
+    with pytest.raises(ValueError, match='example_sampling_rate 0.125'):
+        model.fit(other_q1, callbacks=[PrivacyLedger(EVENT, DELTA)],
+                  verbose=0)
+    other_n = sampling.poisson_batches(
+        *twice, physical_batch_size=8, example_sampling_rate=Q1, steps=2)
+    with pytest.raises(ValueError, match='num_examples=64'):
+        model.fit(other_n, callbacks=[PrivacyLedger(EVENT, DELTA)],
                   verbose=0)
     assert int(model.optimizer.iterations) == 2
 
@@ -426,7 +542,7 @@ def test_steps_of_an_interrupted_fit_are_charged(tmp_path):
     # hook, and the state file never holds fewer steps than ran.
     path = str(tmp_path / 'ledger.json')
     dp = _dp_model()
-    ledger = PrivacyLedger.for_model(dp, num_examples=64, delta=DELTA,
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
                                      state_path=path, save_every_steps=1,
                                      verbose=0)
     with pytest.raises(OSError, match='disk full'):
@@ -442,26 +558,26 @@ def test_steps_of_a_replaced_dp_optimizer_are_charged():
     # An interrupted fit, then a recompile with another DP optimizer (other
     # step keys): the step the ledger did not see is still charged.
     dp = _dp_optimizer_model()
-    ledger = PrivacyLedger.for_model(dp, num_examples=64, delta=DELTA,
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
                                      verbose=0)
     with pytest.raises(OSError, match='disk full'):
         dp.fit(_data(steps=5), callbacks=[_FailingCallback(3), ledger],
                verbose=0)
     dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        learning_rate=0.05, **DP_PARAMS),
+        CONFIG, learning_rate=0.05),
         loss=tf.keras.losses.MeanSquaredError())
     dp.fit(_data(steps=2, seed=2), callbacks=[ledger], verbose=0)
     assert ledger.steps == 3 + 2
     # An optimizer the ledger never saw: compiled, used in a custom loop,
     # replaced. The model keeps its key stream, so its steps are charged.
     dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        learning_rate=0.05, **DP_PARAMS),
+        CONFIG, learning_rate=0.05),
         loss=tf.keras.losses.MeanSquaredError())
     step = tf.function(dp.train_step)
     for batch in _data(steps=3, seed=3):
         step(batch)
     dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        learning_rate=0.05, **DP_PARAMS),
+        CONFIG, learning_rate=0.05),
         loss=tf.keras.losses.MeanSquaredError())
     dp.fit(_data(steps=2, seed=4), callbacks=[ledger], verbose=0)
     assert ledger.steps == 3 + 2 + 3 + 2
@@ -469,7 +585,7 @@ def test_steps_of_a_replaced_dp_optimizer_are_charged():
 
 def test_custom_loop_steps_between_fits_are_charged():
     dp = _dp_model()
-    ledger = PrivacyLedger.for_model(dp, num_examples=64, delta=DELTA,
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
                                      verbose=0)
     dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
     step = tf.function(dp.train_step)
@@ -506,18 +622,22 @@ def test_for_model_with_a_basis_accounts_every_block(tmp_path):
     grads = basis_lib.public_per_example_gradients(
         _model(), tf.keras.losses.MeanSquaredError(), X[:16], Y[:16])
     basis = basis_lib.learn_basis(grads, [2, 3])
-    dp = DPModel(_model(), physical_batch_size=8, seed=0, basis=basis,
-                 l2_norm_clip=(0.5, 0.5, 0.7),
-                 noise_multiplier=(1.0, 1.0, 2.0), linf_norm_clip=None,
-                 expected_batch_size=16.0, coordinate_sampling_rate=0.5)
+    config = TwiceSamplingConfig(
+        num_examples=64, expected_batch_size=16.0,
+        coordinate_sampling_rate=0.5,
+        blocks=(Block(l2_norm_clip=0.5, noise_multiplier=1.0),
+                Block(l2_norm_clip=0.5, noise_multiplier=1.0),
+                Block(l2_norm_clip=0.7, noise_multiplier=2.0)))
+    dp = DPModel(_model(), config, physical_batch_size=8, seed=0,
+                 basis=basis)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse')
     path = str(tmp_path / 'ledger.json')
-    ledger = PrivacyLedger.for_model(dp, num_examples=64, delta=DELTA,
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
                                      state_path=path, verbose=0)
     event = TwiceSampledGaussianDpEvent(
         example_sampling_rate=Q1, coordinate_sampling_rate=0.5,
         noise_multiplier=(1.0, 1.0, 2.0), l2_norm_clip=(0.5, 0.5, 0.7),
-        linf_norm_clip=None, block_dimensions=(2, 3, 15))
+        linf_norm_clip=(None, None, None), block_dimensions=(2, 3, 15))
     assert ledger.event == event
     dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
     resumed = PrivacyLedger(event, DELTA, state_path=path, verbose=0)
