@@ -1,5 +1,7 @@
 """Tests of the twice-sampling Keras optimizers."""
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -9,7 +11,8 @@ from tensorflow_privacy.privacy.optimizers import (
     dp_optimizer_keras_vectorized as tfp_vectorized)
 
 from tf_twice import optimizers
-from tf_twice.keras import make_private
+from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.keras import DPModel
 from tf_twice.mechanism import aggregation as agg
 
 NUM_FEATURES, NUM_CLASSES = tiny_models.NUM_FEATURES, tiny_models.NUM_CLASSES
@@ -31,8 +34,12 @@ def _vector_loss():
         from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
 
 
+def _config(**kwargs):
+    return tiny_models.dp_config(**kwargs)
+
+
 def _private(model, optimizer, physical_batch_size=4):
-    private = make_private(model, physical_batch_size=physical_batch_size)
+    private = DPModel(model, physical_batch_size=physical_batch_size)
     private.compile(optimizer=optimizer, loss=_vector_loss())
     return private
 
@@ -43,7 +50,7 @@ _FIXED_KEY = agg.draw_step_key(tf.random.Generator.from_state(
 
 
 def _one_step(model, optimizer, x, y, sample_weight=None, fix_key=False):
-    """One step of ``model`` wrapped by make_private and compiled with the
+    """One step of ``model`` wrapped by DPModel and compiled with the
     DP ``optimizer`` (the optimizer path); returns the new weights. With
     ``fix_key`` the step uses ``_FIXED_KEY``."""
     private = _private(model, optimizer)
@@ -63,8 +70,10 @@ def test_matches_tf_privacy_vectorized_without_noise():
     theirs = [v.numpy() for v in model.trainable_variables]
     ours = _one_step(
         _mlp(), optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            l2_norm_clip=0.3, noise_multiplier=0.0,
-            expected_batch_size=BATCH, learning_rate=0.5), x, y)
+            TwiceSamplingConfig.single(
+                num_examples=BATCH, expected_batch_size=BATCH,
+                l2_norm_clip=0.3, noise_multiplier=0.0, non_private=True),
+            learning_rate=0.5), x, y)
     initial = [v.numpy() for v in _mlp().trainable_variables]
     for a, b, w0 in zip(theirs, ours, initial):
         assert not np.allclose(a, w0)  # the step did something
@@ -101,9 +110,11 @@ def test_whole_step_matches_numpy_reference():
     model = _linear()
     w0, b0 = [v.numpy() for v in model.trainable_variables]
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        l2_norm_clip=c2, linf_norm_clip=c_inf, noise_multiplier=z,
-        coordinate_sampling_rate=q2, expected_batch_size=exp_batch, seed=42,
-        learning_rate=lr)
+        TwiceSamplingConfig.single(
+            num_examples=100, expected_batch_size=exp_batch,
+            l2_norm_clip=c2, linf_norm_clip=c_inf, noise_multiplier=z,
+            coordinate_sampling_rate=q2),
+        seed=42, learning_rate=lr)
     key = _FIXED_KEY
     shapes = [w0.shape, b0.shape]
     masks = [m.numpy() for m in agg.coordinate_masks(key, shapes, q2, BATCH)]
@@ -118,8 +129,10 @@ def test_whole_step_matches_numpy_reference():
 
 def test_sample_weight_zero_rows_are_padding():
     x, y = _data()
-    kwargs = dict(l2_norm_clip=0.5, linf_norm_clip=0.1, noise_multiplier=1.0,
-                  coordinate_sampling_rate=0.5, expected_batch_size=4,
+    kwargs = dict(config=_config(l2_norm_clip=0.5, linf_norm_clip=0.1,
+                                 noise_multiplier=1.0,
+                                 coordinate_sampling_rate=0.5,
+                                 expected_batch_size=4),
                   seed=3, learning_rate=0.2)
     got = _one_step(_mlp(), optimizers.TwiceSamplingDPKerasSGDOptimizer(
         **kwargs), x, y, sample_weight=np.array([1, 1, 1, 1, 0, 0]))
@@ -136,10 +149,10 @@ def test_minimize_on_a_batched_loss_is_refused():
     x, y = _data()
     model = _mlp()
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=6)
+        _config(expected_batch_size=6))
     with tf.GradientTape() as tape:
         loss = _vector_loss()(y, model(x))
-    with pytest.raises(ValueError, match='make_private'):
+    with pytest.raises(ValueError, match=r'DPModel\(model\)'):
         opt.minimize(loss, model.trainable_variables, tape=tape)
 
 
@@ -147,11 +160,12 @@ def test_gradient_accumulation_applies_the_mean_of_released_steps():
     # Every step is its own DP release; the weights move every k-th step by
     # the mean of the k released gradients (tf_privacy's semantics).
     x, y = _data(batch=8, seed=2)
-    kwargs = dict(l2_norm_clip=0.4, linf_norm_clip=0.1, noise_multiplier=0.0,
-                  expected_batch_size=4, learning_rate=0.3)
+    mechanism = dict(l2_norm_clip=0.4, linf_norm_clip=0.1,
+                     noise_multiplier=0.0)
     model = _mlp()
     private = _private(model, optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        gradient_accumulation_steps=2, **kwargs))
+        _config(expected_batch_size=4, **mechanism),
+        gradient_accumulation_steps=2, learning_rate=0.3))
     initial = [v.numpy() for v in model.trainable_variables]
     tiny_models.one_step(private, x[:4], y[:4])
     for a, b in zip(initial, model.trainable_variables):
@@ -161,7 +175,7 @@ def test_gradient_accumulation_applies_the_mean_of_released_steps():
     # Noiseless: the mean of two steps normalised by 4 each equals one step
     # over all 8 examples normalised by 8.
     one_batch = _one_step(_mlp(), optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        **dict(kwargs, expected_batch_size=8)), x, y)
+        _config(expected_batch_size=8, **mechanism), learning_rate=0.3), x, y)
     for a, b in zip(accumulated, one_batch):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # The accumulators were reset: the next step starts from zero.
@@ -177,10 +191,10 @@ def test_gradient_accumulation_noise_std():
     model = tf.keras.Sequential([tf.keras.layers.Dense(
         400, input_shape=(50,), kernel_initializer='zeros')])
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        l2_norm_clip=c2, noise_multiplier=z, expected_batch_size=exp_batch,
-        coordinate_sampling_rate=q2, gradient_accumulation_steps=2, seed=0,
-        learning_rate=lr)
-    private = make_private(model, physical_batch_size=4)
+        _config(l2_norm_clip=c2, noise_multiplier=z,
+                expected_batch_size=exp_batch, coordinate_sampling_rate=q2),
+        gradient_accumulation_steps=2, seed=0, learning_rate=lr)
+    private = DPModel(model, physical_batch_size=4)
     private.compile(optimizer=opt, loss=tf.keras.losses.MeanSquaredError())
     x = np.zeros((4, 50), np.float32)
     tiny_models.one_step(private, x, np.zeros((4, 400), np.float32))
@@ -191,23 +205,32 @@ def test_gradient_accumulation_noise_std():
 
 
 def test_get_config_round_trip():
+    config = TwiceSamplingConfig.single(
+        num_examples=60_000, expected_batch_size=256, l2_norm_clip=1.5,
+        linf_norm_clip=0.2, noise_multiplier=1.1,
+        coordinate_sampling_rate=0.5)
     opt = optimizers.TwiceSamplingDPKerasAdamOptimizer(
-        l2_norm_clip=1.5, linf_norm_clip=0.2, noise_multiplier=1.1,
-        coordinate_sampling_rate=0.5, expected_batch_size=256,
-        gradient_accumulation_steps=3, seed=7,
-        learning_rate=0.01, beta_1=0.8)
-    config = opt.get_config()
-    clone = optimizers.TwiceSamplingDPKerasAdamOptimizer.from_config(config)
+        config, gradient_accumulation_steps=3, seed=7, learning_rate=0.01,
+        beta_1=0.8)
+    saved = opt.get_config()
+    assert saved['config'] == config.to_dict()
+    assert saved['gradient_accumulation_steps'] == 3
+    json.dumps(saved)  # The config is stored as a plain dict.
+    clone = optimizers.TwiceSamplingDPKerasAdamOptimizer.from_config(saved)
     assert type(clone) is type(opt)
-    assert clone.get_config() == config
-    assert config['linf_norm_clip'] == 0.2
-    assert config['coordinate_sampling_rate'] == 0.5
-    assert config['gradient_accumulation_steps'] == 3
-    # No seed or random state in the config (it would give away the noise).
-    assert 'seed' not in config and 'num_microbatches' not in config
+    assert clone.config == config and clone.get_config() == saved
+    assert clone.aggregator.dp_event() == config.dp_event()
+    assert clone.gradient_accumulation_steps == 3
+    assert clone.get_config()['beta_1'] == pytest.approx(0.8)
+    # No seed or random state in the config (it would give away the noise),
+    # and none of tf_privacy's parallel mechanism arguments.
+    for name in ('seed', 'num_microbatches', 'l2_norm_clip',
+                 'noise_multiplier'):
+        assert name not in saved
     restored = tf.keras.optimizers.deserialize(
         tf.keras.optimizers.serialize(opt), use_legacy_optimizer=True)
     assert type(restored).__name__ == 'TwiceSamplingDPKerasAdamOptimizer'
+    assert restored.config == config
 
 
 def test_subclasses_tf_privacy_classes():
@@ -223,14 +246,16 @@ def test_subclasses_tf_privacy_classes():
 
 
 @pytest.mark.parametrize('kwargs, name', [
-    (dict(l2_norm_clip=-1.0), 'l2_norm_clip'),
-    (dict(coordinate_sampling_rate=0.0), 'coordinate_sampling_rate'),
-    (dict(expected_batch_size=0), 'expected_batch_size'),
     (dict(gradient_accumulation_steps=0), 'gradient_accumulation_steps'),
+    (dict(gradient_accumulation_steps=1.5), 'gradient_accumulation_steps'),
     (dict(num_microbatches=3), 'num_microbatches'),
+    (dict(seed=-1), 'seed'),
+    (dict(config={'l2_norm_clip': 1.0}), 'TwiceSamplingConfig'),
+    (dict(config=_config(expected_batch_size=4, noise_multiplier=None)),
+     'calibrate'),
 ])
 def test_invalid_arguments(kwargs, name):
-    full = dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    full = dict(config=_config(expected_batch_size=4))
     full.update(kwargs)
     with pytest.raises(ValueError, match=name):
         optimizers.TwiceSamplingDPKerasSGDOptimizer(**full)
@@ -238,7 +263,7 @@ def test_invalid_arguments(kwargs, name):
 
 def test_apply_without_dp_gradients_is_refused():
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=4)
+        _config(expected_batch_size=4))
     var = tf.Variable([1.0])
     with pytest.raises(RuntimeError, match='not clipped'):
         opt.apply_gradients([(tf.constant([1.0]), var)])
@@ -256,17 +281,20 @@ def test_optimizer_with_a_basis_runs_the_hybrid_step():
     grads = _softmax_per_example_grads(w, b, x, y)
     basis = basis_lib.learn_basis([g.astype(np.float32) for g in grads],
                                   [2], groups=2)
-    dp = dict(l2_norm_clip=(0.3, 0.2), noise_multiplier=(1.0, 2.0),
-              linf_norm_clip=(None, 0.05), coordinate_sampling_rate=0.5,
-              expected_batch_size=BATCH)
+    config = TwiceSamplingConfig(
+        num_examples=100, expected_batch_size=BATCH,
+        coordinate_sampling_rate=0.5,
+        blocks=(Block(l2_norm_clip=0.3, noise_multiplier=1.0),
+                Block(l2_norm_clip=0.2, noise_multiplier=2.0,
+                      linf_norm_clip=0.05)))
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        basis=basis, seed=3, learning_rate=0.5, **dp)
-    assert opt.basis is basis and opt.dp_params.num_blocks == 2
+        config, basis=basis, seed=3, learning_rate=0.5)
+    assert opt.basis is basis and opt.config.num_blocks == 2
+    assert opt.config == config.with_dimensions(basis.block_dimensions)
     key = _FIXED_KEY
-    params = agg.AggregationParams(**dp)
     update = hybrid.noisy_update(
-        hybrid.block_sums([g.astype(np.float32) for g in grads], params,
-                          basis=basis, key=key), params, basis=basis,
+        hybrid.block_sums([g.astype(np.float32) for g in grads], config,
+                          basis=basis, key=key), config, basis=basis,
         key=key)
     got = _one_step(model, opt, x, y, fix_key=True)
     for g, u, v0 in zip(got, update, (w, b)):
@@ -274,8 +302,7 @@ def test_optimizer_with_a_basis_runs_the_hybrid_step():
                                    atol=1e-6)
     with pytest.raises(ValueError, match='built with basis'):
         optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            l2_norm_clip=1.0, noise_multiplier=1.0,
-            expected_batch_size=4).set_basis(basis)
+            _config(expected_batch_size=4)).set_basis(basis)
 
 
 if __name__ == '__main__':
