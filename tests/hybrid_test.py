@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import calibrate_noise_multiplier
 from tf_twice.accounting.statement import hybrid_noise_variance_ratio
-from tf_twice.keras import DPModel, PrivacyLedger, make_private
+from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import guards
 from tf_twice.mechanism import aggregation as agg
 from tf_twice.mechanism import basis as basis_lib
@@ -58,16 +60,26 @@ def _basis(seed=0, public_seed=1):
     return basis_lib.learn_basis(grads, RANKS, groups=GROUPS, seed=seed)
 
 
-# Principal blocks 1, 2, then the residual.
-HYBRID = dict(l2_norm_clip=(0.5, 0.3, 0.2), linf_norm_clip=(0.2, None, 0.03),
-              noise_multiplier=(1.0, 2.0, 1.5), coordinate_sampling_rate=0.5,
-              expected_batch_size=6.0, seed=17)
+NUM_EXAMPLES, DELTA = 24, 1e-5  # q1 = 6 / 24
+SEED = 17
 
 
 def _params(**changes):
-    fields = {k: v for k, v in HYBRID.items() if k != 'seed'}
+    """The hybrid config: principal blocks 1, 2, then the residual."""
+    fields = dict(l2_norm_clip=(0.5, 0.3, 0.2),
+                  linf_norm_clip=(0.2, None, 0.03),
+                  noise_multiplier=(1.0, 2.0, 1.5),
+                  coordinate_sampling_rate=0.5, expected_batch_size=6.0,
+                  num_examples=NUM_EXAMPLES)
     fields.update(changes)
-    return agg.AggregationParams(**fields)
+    return tiny_models.dp_config(**fields)
+
+
+HYBRID = _params()
+# The same clip budget and noise as one block (no basis).
+SINGLE = TwiceSamplingConfig.single(
+    num_examples=NUM_EXAMPLES, expected_batch_size=6.0, l2_norm_clip=0.6,
+    noise_multiplier=1.0, coordinate_sampling_rate=0.5)
 
 
 def _random_grads(batch, shapes, seed=0, scale=1.0):
@@ -180,9 +192,10 @@ def test_hybrid_step_matches_numpy_reference():
 def test_without_a_basis_the_step_is_the_single_block_step():
     shapes = [(4, 5), (5,), (5, 3), (3,)]
     grads = _random_grads(6, shapes, seed=6, scale=2.0)
-    params = agg.AggregationParams(
-        l2_norm_clip=0.6, linf_norm_clip=0.15, noise_multiplier=1.0,
-        coordinate_sampling_rate=0.5, expected_batch_size=6.0)
+    params = TwiceSamplingConfig.single(
+        num_examples=NUM_EXAMPLES, l2_norm_clip=0.6, linf_norm_clip=0.15,
+        noise_multiplier=1.0, coordinate_sampling_rate=0.5,
+        expected_batch_size=6.0)
     key = agg.draw_step_key(tf.random.Generator.from_seed(2))
     sums = hybrid.block_sums(grads, params, key=key, example_offset=3)
     update = hybrid.noisy_update(sums, params, key=key)
@@ -267,10 +280,9 @@ def test_composed_update_has_the_hybrid_noise_covariance():
 # --- the two training paths -------------------------------------------------
 
 
-def _fast(basis, physical_batch_size=8, model=None, **changes):
-    dp = make_private(model or _mlp(), basis=basis,
-                      physical_batch_size=physical_batch_size,
-                      **dict(HYBRID, **changes))
+def _fast(basis, physical_batch_size=8, model=None):
+    dp = DPModel(model or _mlp(), HYBRID, basis=basis,
+                 physical_batch_size=physical_batch_size, seed=SEED)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
     return dp
 
@@ -279,10 +291,10 @@ def _fast(basis, physical_batch_size=8, model=None, **changes):
 def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
     basis = _basis()
     x, y = _data(8, seed=2)
-    reference = make_private(_mlp(), physical_batch_size=physical_batch_size)
+    reference = DPModel(_mlp(), physical_batch_size=physical_batch_size)
     reference.compile(
         optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            learning_rate=0.3, basis=basis, **HYBRID),
+            HYBRID, learning_rate=0.3, basis=basis, seed=SEED),
         loss=_loss())
     tiny_models.one_step(reference, x, y)
     dp = _fast(basis, physical_batch_size)
@@ -290,9 +302,7 @@ def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
     assert not np.allclose(_weights(dp)[0], _weights(_mlp())[0])
     _assert_all_close(_weights(dp), _weights(reference))
     # And the basis matters: without it (one block) the step differs.
-    plain = make_private(_mlp(), physical_batch_size=8, l2_norm_clip=0.6,
-                         noise_multiplier=1.0, expected_batch_size=6.0,
-                         coordinate_sampling_rate=0.5, seed=17)
+    plain = DPModel(_mlp(), SINGLE, physical_batch_size=8, seed=SEED)
     plain.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
     tiny_models.one_step(plain, x, y)
     assert not np.allclose(_weights(plain)[0], _weights(dp)[0])
@@ -321,8 +331,8 @@ def test_set_basis_takes_effect_without_retracing():
     first, second = _basis(seed=0), _basis(seed=0, public_seed=9)
     assert first.structure == second.structure
     x, y = _data(6, seed=1)
-    dp = CountingDPModel(_mlp(), basis=first, physical_batch_size=4,
-                         **HYBRID)
+    dp = CountingDPModel(_mlp(), HYBRID, basis=first, physical_batch_size=4,
+                         seed=SEED)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
     tiny_models.one_step(dp, x, y)
     count = len(traces)
@@ -357,7 +367,8 @@ def test_basis_refresh_callback_drives_set_basis_in_fit():
     learn = dict(ranks=RANKS, groups=GROUPS)
     basis = basis_lib.learn_basis(basis_lib.public_per_example_gradients(
         inner, _loss(), *public), **learn)
-    dp = CountingDPModel(inner, basis=basis, physical_batch_size=4, **HYBRID)
+    dp = CountingDPModel(inner, HYBRID, basis=basis, physical_batch_size=4,
+                         seed=SEED)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
     refresh = basis_lib.BasisRefresh(inner, public, _loss(), every_steps=2,
                                      on_refresh=dp.set_basis, **learn)
@@ -373,56 +384,58 @@ def test_set_basis_refuses_another_structure_or_no_basis():
                                                    *_data(32))
     with pytest.raises(ValueError, match='same structure|structure of'):
         dp.set_basis(basis_lib.learn_basis(grads, [4, 4], groups=GROUPS))
-    plain = make_private(_mlp(), physical_batch_size=4, l2_norm_clip=1.0,
-                         noise_multiplier=1.0, expected_batch_size=4.0)
+    plain = DPModel(_mlp(), SINGLE, physical_batch_size=4)
     with pytest.raises(ValueError, match='built with basis'):
         plain.set_basis(_basis())
 
 
-@pytest.mark.parametrize('changes, match', [
-    (dict(l2_norm_clip=1.0, noise_multiplier=1.0, linf_norm_clip=None),
-     'one value per block of the basis: 3'),
-    (dict(l2_norm_clip=(0.5, 0.3), noise_multiplier=(1.0, 2.0),
-          linf_norm_clip=None), 'one value per block of the basis: 3'),
-    (dict(noise_multiplier=(1.0, 2.0)),
-     'noise_multiplier must have one value per block'),
-    (dict(linf_norm_clip=0.1), 'linf_norm_clip must be None or a sequence'),
+@pytest.mark.parametrize('config, match', [
+    (SINGLE, 'one Block per block of the basis: 3'),
+    (_params(l2_norm_clip=(0.5, 0.3), noise_multiplier=(1.0, 2.0),
+             linf_norm_clip=None), 'one Block per block of the basis: 3'),
+    # A block whose dimension is not the basis block's.
+    (TwiceSamplingConfig(
+        num_examples=NUM_EXAMPLES, expected_batch_size=6.0,
+        blocks=(Block(l2_norm_clip=0.5, noise_multiplier=1.0, dimension=4),
+                Block(l2_norm_clip=0.3, noise_multiplier=2.0),
+                Block(l2_norm_clip=0.2, noise_multiplier=1.5))),
+     'dimension is 4 but the basis block has 3'),
 ])
-def test_per_block_arguments_must_fit_the_basis(changes, match):
+def test_config_blocks_must_fit_the_basis(config, match):
     with pytest.raises(ValueError, match=match):
-        make_private(_mlp(), basis=_basis(), physical_batch_size=4,
-                     **dict(HYBRID, **changes))
+        DPModel(_mlp(), config, basis=_basis(), physical_batch_size=4)
     with pytest.raises(ValueError, match=match):
-        optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            basis=_basis(), **dict(HYBRID, **changes))
+        optimizers.TwiceSamplingDPKerasSGDOptimizer(config, basis=_basis())
 
 
-def test_sequences_without_a_basis_and_foreign_bases_are_refused():
+def test_several_blocks_without_a_basis_and_foreign_bases_are_refused():
     with pytest.raises(ValueError, match='no basis is given'):
-        make_private(_mlp(), physical_batch_size=4, **HYBRID)
+        DPModel(_mlp(), HYBRID, physical_batch_size=4)
+    with pytest.raises(ValueError, match='no basis is given'):
+        optimizers.TwiceSamplingDPKerasSGDOptimizer(HYBRID)
     other = _orthonormal_basis([43], [[2, 3]])  # one variable of 43
     with pytest.raises(ValueError, match='variable_shapes'):
-        make_private(_mlp(), basis=other, physical_batch_size=4, **HYBRID)
+        DPModel(_mlp(), HYBRID, basis=other, physical_batch_size=4)
 
 
 def test_config_round_trip_with_a_basis():
     basis = _basis()
     dp = _fast(basis)
     config = dp.get_config()
-    assert config['l2_norm_clip'] == [0.5, 0.3, 0.2]
+    assert [b['l2_norm_clip'] for b in config['config']['blocks']] == [
+        0.5, 0.3, 0.2]
     json.dumps({k: v for k, v in config.items() if k != 'model'})
     with pytest.raises(ValueError, match='no basis is given'):
         DPModel.from_config(config)
     clone = DPModel.from_config({**config, 'basis': basis})
-    assert clone.dp_params == dp.dp_params and clone.basis is basis
-    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(basis=basis, **HYBRID)
+    assert clone.config == dp.config and clone.basis is basis
+    assert clone.dp_event() == dp.dp_event()
+    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(HYBRID, basis=basis)
     again = type(opt).from_config({**opt.get_config(), 'basis': basis})
-    assert again.dp_params == opt.dp_params
+    assert again.config == opt.config and again.basis is basis
 
 
 # --- accounting -------------------------------------------------------------
-
-NUM_EXAMPLES, DELTA = 24, 1e-5  # q1 = 6 / 24
 
 
 def _poisson(steps=3, seed=1):
@@ -446,10 +459,10 @@ def test_event_and_ledger_round_trip_with_a_basis(tmp_path):
     basis = _basis()
     assert basis.block_dimensions == (3, 5, 43)
     dp = _fast(basis, 4)
-    assert dp.dp_event(NUM_EXAMPLES) == _event(basis)
+    assert dp.dp_event() == _event(basis)
     path = tmp_path / 'ledger.json'
-    ledger = PrivacyLedger.for_model(dp, num_examples=NUM_EXAMPLES,
-                                     delta=DELTA, state_path=path, verbose=0)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
+                                     verbose=0)
     assert ledger.event == _event(basis)
     dp.fit(_poisson(), callbacks=[ledger], verbose=0)
     assert ledger.steps == 3
@@ -457,32 +470,32 @@ def test_event_and_ledger_round_trip_with_a_basis(tmp_path):
     resumed = PrivacyLedger.from_state(state, verbose=0)
     assert resumed.event == _event(basis)
     assert resumed.epsilon == pytest.approx(ledger.epsilon, rel=1e-12)
-    # The optimizer path builds the same event.
-    model = make_private(_mlp(), physical_batch_size=4)
+    # The optimizer path runs the same event.
+    model = DPModel(_mlp(), physical_batch_size=4)
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        basis=basis, **HYBRID), loss=_loss())
-    assert guards.model_dp_event(model, NUM_EXAMPLES) == _event(basis)
-    assert guards.check_event_matches_model(_event(basis), model)
+        HYBRID, basis=basis), loss=_loss())
+    assert model.dp_event() == _event(basis)
+    guards.check_ledger_event(_event(basis), model)
 
 
-@pytest.mark.parametrize('changes, match', [
-    (dict(noise_multiplier=(1.0, 2.5, 1.5)), r'noise_multiplier=.*block 1'),
-    (dict(l2_norm_clip=(0.5, 0.3, 0.25)), r'l2_norm_clip=.*block 2'),
-    (dict(linf_norm_clip=(0.1, None, 0.03)), r'linf_norm_clip=.*block 0'),
-    (dict(block_dimensions=(3, 5, 40)), 'block_dimensions'),
-    (dict(noise_multiplier=1.0, l2_norm_clip=0.6, linf_norm_clip=None,
-          block_dimensions=None), '1 blocks, but the model .* as 3'),
+@pytest.mark.parametrize('changes', [
+    dict(noise_multiplier=(1.0, 2.5, 1.5)),
+    dict(l2_norm_clip=(0.5, 0.3, 0.25)),
+    dict(linf_norm_clip=(0.1, None, 0.03)),
+    dict(block_dimensions=(3, 5, 40)),
+    dict(block_dimensions=None),  # Looser, but not the model's event.
+    dict(noise_multiplier=1.0, l2_norm_clip=0.6, linf_norm_clip=None,
+         block_dimensions=None),
 ])
-def test_mismatched_multi_block_event_is_refused(changes, match):
+def test_mismatched_multi_block_event_is_refused(changes):
     basis = _basis()
     dp = _fast(basis, 4)
-    with pytest.raises(ValueError, match=match):
+    field, value = next(iter(changes.items()))
+    with pytest.raises(ValueError,
+                       match=re.escape(f'{field}={value!r}') + '.*for_model'):
         dp.fit(_poisson(), callbacks=[PrivacyLedger(_event(basis, **changes),
                                                     DELTA)], verbose=0)
     assert int(dp.optimizer.iterations) == 0
-    # Without block dimensions the (looser, sound) event is accepted.
-    guards.check_event_matches_model(_event(basis, block_dimensions=None),
-                                     dp, num_examples=NUM_EXAMPLES)
 
 
 # --- the point of it: less noise at the same epsilon ------------------------
@@ -521,9 +534,11 @@ def test_public_basis_needs_less_noise_than_dp_sgd_at_equal_epsilon():
     assert ratio.ratio == pytest.approx(hybrid_var / standard_var, rel=1e-3)
     # ...without clipping the private signal away: the mean clipped private
     # gradient is nearly the one of plain clipping to c.
-    silent = agg.AggregationParams(l2_norm_clip=clips,
+    silent = tiny_models.dp_config(l2_norm_clip=tuple(clips),
                                    noise_multiplier=(0.0, 0.0),
-                                   expected_batch_size=500.0)
+                                   expected_batch_size=500.0,
+                                   num_examples=500)
+    assert silent.non_private
     mean_hybrid = hybrid.noisy_update(
         hybrid.block_sums([private], silent, basis=basis), silent,
         basis=basis)[0].numpy()
