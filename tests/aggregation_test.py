@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_twice import config as config_lib
+from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.mechanism import aggregation as agg
 
 SHAPES = [(3, 2), (5,), (1, 4, 3)]
@@ -276,11 +278,12 @@ def test_randomness_is_required():
 def test_invalid_parameters_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         agg.validate_params(**kwargs)
+    # The config, which every training path takes, has the same checks.
     full = dict(l2_norm_clip=1.0, noise_multiplier=1.0,
-                expected_batch_size=4.0)
+                expected_batch_size=4.0, num_examples=100)
     full.update(kwargs)
     with pytest.raises(ValueError, match=name):
-        agg.AggregationParams(**full)
+        TwiceSamplingConfig.single(**full)
 
 
 def test_mask_bits_per_coordinate():
@@ -417,7 +420,8 @@ def test_empty_tensors_in_a_block_sum_to_empty():
 @pytest.mark.parametrize('kwargs, match', [
     (dict(l2_norm_clips=[1.0]), 'l2_norm_clips must have one entry per '
      'block'),
-    (dict(l2_norm_clips=[1.0, 0.0]), 'block 1: l2_norm_clip must be > 0'),
+    (dict(l2_norm_clips=[1.0, 0.0]), 'block 1: l2_norm_clip must be a finite '
+     'number > 0'),
     (dict(l2_norm_clips=[1.0, 1.0], linf_norm_clips=[0.1]),
      'linf_norm_clips must have one entry per block'),
     (dict(l2_norm_clips=[1.0, 1.0], masks=[[np.ones((2, 3))]]),
@@ -429,37 +433,56 @@ def test_block_arguments_are_validated(kwargs, match):
         agg.clipped_masked_block_sums([block, block], **kwargs)
 
 
-@pytest.mark.parametrize('kwargs, match', [
-    (dict(l2_norm_clip=(1.0, 2.0), noise_multiplier=1.0),
-     'noise_multiplier must be a sequence'),
-    (dict(l2_norm_clip=(1.0,), noise_multiplier=(1.0,)), 'at least 2'),
-    (dict(l2_norm_clip=(1.0, 2.0), noise_multiplier=(1.0, 1.0, 1.0)),
-     'noise_multiplier must have one value per block'),
-    (dict(l2_norm_clip=(1.0, 2.0), noise_multiplier=(1.0, 1.0),
-          linf_norm_clip=0.1), 'linf_norm_clip must be None or a sequence'),
-    (dict(l2_norm_clip=(1.0, -2.0), noise_multiplier=(1.0, 1.0)),
-     'block 1: l2_norm_clip'),
-    (dict(l2_norm_clip=1.0, noise_multiplier=1.0, linf_norm_clip=(0.1, 0.2)),
-     'l2_norm_clip must be a sequence'),
+@pytest.mark.parametrize('blocks, match', [
+    (lambda: (Block(l2_norm_clip=1.0), Block(l2_norm_clip=-2.0)),
+     'l2_norm_clip'),
+    (lambda: (Block(l2_norm_clip=1.0, linf_norm_clip=0.0),),
+     'linf_norm_clip'),
+    (lambda: (Block(l2_norm_clip=1.0, noise_multiplier=-1.0),),
+     'noise_multiplier'),
+    (lambda: (Block(l2_norm_clip=1.0, noise_multiplier=1.0),
+              Block(l2_norm_clip=2.0, noise_multiplier=0.0)),
+     r'blocks\[1\].noise_multiplier must be > 0'),
 ])
-def test_per_block_params_are_validated(kwargs, match):
+def test_per_block_settings_are_validated(blocks, match):
     with pytest.raises(ValueError, match=match):
-        agg.AggregationParams(expected_batch_size=4.0, **kwargs)
+        TwiceSamplingConfig(num_examples=100, expected_batch_size=4.0,
+                            blocks=blocks())
 
 
-def test_per_block_params():
-    params = agg.AggregationParams(
-        l2_norm_clip=np.array([0.5, 1.0]), noise_multiplier=[2, 3],
-        linf_norm_clip=[0.1, None], expected_batch_size=8)
-    assert params.num_blocks == 2
-    assert params.l2_norm_clip == (0.5, 1.0)
-    assert params.noise_multipliers == (2.0, 3.0)
-    assert params.linf_norm_clips == (0.1, None)
-    assert params.to_dict()['l2_norm_clip'] == [0.5, 1.0]
-    assert agg.AggregationParams(**params.to_dict()) == params
-    one = agg.AggregationParams(l2_norm_clip=1.0, noise_multiplier=1.0,
-                                expected_batch_size=4.0)
+def test_per_block_config():
+    config = TwiceSamplingConfig(
+        num_examples=100, expected_batch_size=8,
+        blocks=(Block(l2_norm_clip=np.float64(0.5), noise_multiplier=2,
+                      linf_norm_clip=0.1),
+                Block(l2_norm_clip=1.0, noise_multiplier=3)))
+    assert config.num_blocks == 2
+    assert config.l2_norm_clips == (0.5, 1.0)
+    assert config.noise_multipliers == (2.0, 3.0)
+    assert config.linf_norm_clips == (0.1, None)
+    assert all(type(c) is float for c in config.l2_norm_clips)
+    assert config.to_dict()['blocks'][0]['l2_norm_clip'] == 0.5
+    assert TwiceSamplingConfig.from_dict(config.to_dict()) == config
+    one = TwiceSamplingConfig.single(num_examples=100, expected_batch_size=4,
+                                     noise_multiplier=1.0)
     assert one.num_blocks == 1 and one.linf_norm_clips == (None,)
+    # The kernel's arguments follow the config's block order.
+    grads = _grads(3, seed=9)
+    key = agg.draw_step_key(tf.random.Generator.from_seed(4))
+    sums = agg.clipped_masked_block_sums(
+        [grads, grads], l2_norm_clips=config.l2_norm_clips,
+        linf_norm_clips=config.linf_norm_clips, key=key)
+    want = agg.clipped_masked_sum(grads, l2_norm_clip=0.5,
+                                  linf_norm_clip=0.1, key=key)
+    for a, b in zip(sums[0], want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+
+
+def test_q2_arithmetic_is_the_configs():
+    assert agg.effective_coordinate_sampling_rate is (
+        config_lib.effective_coordinate_sampling_rate)
+    assert agg.mask_bits_per_coordinate is config_lib.mask_bits_per_coordinate
+    assert agg.MASK_PRECISION_BITS == config_lib.MASK_PRECISION_BITS
 
 
 if __name__ == '__main__':
