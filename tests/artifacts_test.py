@@ -21,10 +21,12 @@ import tensorflow as tf
 from tests import tiny_models
 
 from tf_twice import optimizers
-from tf_twice.keras import DPModel, make_private
+from tf_twice.config import TwiceSamplingConfig
+from tf_twice.keras import DPModel
 
-DP = dict(l2_norm_clip=0.5, noise_multiplier=1.0, linf_norm_clip=0.2,
-          coordinate_sampling_rate=0.5, expected_batch_size=4.0)
+CONFIG = TwiceSamplingConfig.single(
+    num_examples=100, expected_batch_size=4.0, l2_norm_clip=0.5,
+    noise_multiplier=1.0, linf_norm_clip=0.2, coordinate_sampling_rate=0.5)
 SEED = 1234
 _EMPTY = (np.zeros((0, tiny_models.NUM_FEATURES), np.float32),
           np.zeros((0,), np.int64))
@@ -37,13 +39,13 @@ def _loss():
 def _dp_model(seed=None, path='model', momentum=0.0):
     # Momentum would carry earlier noise into the measured update.
     if path == 'model':
-        dp = make_private(tiny_models.mlp(), physical_batch_size=4,
-                          seed=seed, **DP)
+        dp = DPModel(tiny_models.mlp(), CONFIG, physical_batch_size=4,
+                     seed=seed)
         dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
     else:
-        dp = make_private(tiny_models.mlp(), physical_batch_size=4)
+        dp = DPModel(tiny_models.mlp(), physical_batch_size=4)
         dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            learning_rate=1.0, momentum=momentum, seed=seed, **DP),
+            CONFIG, learning_rate=1.0, momentum=momentum, seed=seed),
                    loss=_loss())
     dp(_EMPTY[0])  # Built, so that weights files load into it.
     return dp
@@ -169,18 +171,18 @@ def test_forks_that_load_before_compile_share_no_noise(tmp_path, path):
     forks = []
     for _ in range(2):
         if path == 'model':
-            fork = make_private(tiny_models.mlp(), physical_batch_size=4,
-                                seed=SEED, **DP)
+            fork = DPModel(tiny_models.mlp(), CONFIG, physical_batch_size=4,
+                           seed=SEED)
             fork(_EMPTY[0])
             fork.load_weights(weights)
             fork.compile(optimizer=tf.keras.optimizers.SGD(1.0),
                          loss=_loss())
         else:
-            fork = make_private(tiny_models.mlp(), physical_batch_size=4)
+            fork = DPModel(tiny_models.mlp(), physical_batch_size=4)
             fork(_EMPTY[0])
             fork.load_weights(weights)
             fork.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-                learning_rate=1.0, seed=SEED, **DP), loss=_loss())
+                CONFIG, learning_rate=1.0, seed=SEED), loss=_loss())
         forks.append(_noise_of_next_step(fork))
     for a, b in [(forks[0], forks[1]), (forks[0], released)]:
         assert abs(np.corrcoef(a, b)[0, 1]) < 0.5
@@ -199,8 +201,8 @@ def _restore(route, dp, tmp_path):
     if route == 'load_model_of_inner':
         path = str(tmp_path / 'inner.keras')
         dp.inner_model.save(path)
-        resumed = make_private(tf.keras.models.load_model(path),
-                               physical_batch_size=4, seed=SEED, **DP)
+        resumed = DPModel(tf.keras.models.load_model(path), CONFIG,
+                          physical_batch_size=4, seed=SEED)
         resumed.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
         return resumed, by_fit
     resumed = _dp_model(seed=SEED)
@@ -250,10 +252,10 @@ def test_seeded_stream_never_replays_on_weights_from_elsewhere(tmp_path,
 
 
 def test_copies_of_a_dp_optimizer_draw_independent_noise():
-    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(learning_rate=1.0, **DP)
+    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(CONFIG, learning_rate=1.0)
     noises = []
     for copy_ in (opt, copy.deepcopy(opt)):
-        dp = make_private(tiny_models.mlp(), physical_batch_size=4)
+        dp = DPModel(tiny_models.mlp(), physical_batch_size=4)
         dp.compile(optimizer=copy_, loss=_loss())
         noises.append(_noise_of_next_step(dp))
     assert abs(np.corrcoef(noises[0], noises[1])[0, 1]) < 0.5
@@ -271,7 +273,7 @@ def test_keras_file_reloads_compiled_without_replaying(tmp_path, path):
     for loaded in loads:
         assert isinstance(loaded, DPModel)
         assert int(loaded.optimizer.iterations) == 1
-        assert loaded.dp_params == dp.dp_params
+        assert loaded.config == dp.config == CONFIG
         assert type(loaded.optimizer) is type(dp.optimizer)
         for a, b in zip(loaded.get_weights(), dp.get_weights()):
             np.testing.assert_array_equal(a, b)

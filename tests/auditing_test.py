@@ -16,8 +16,9 @@ import pytest
 from scipy import stats
 import tensorflow as tf
 
+from tests import tiny_models
+
 from tf_twice import auditing
-from tf_twice.keras import make_private
 from tf_twice.mechanism import basis as basis_lib
 
 DIM = 4
@@ -33,7 +34,8 @@ def _linear():
 
 
 def _private(**dp_kwargs):
-    model = make_private(_linear(), **dp_kwargs)
+    """A compiled DPModel; n = ``num_examples`` is the config's."""
+    model = tiny_models.dp_model(_linear(), **dp_kwargs)
     model.compile(optimizer=tf.keras.optimizers.SGD(0.1),
                   loss=tf.keras.losses.MeanSquaredError())
     return model
@@ -94,7 +96,8 @@ def test_twice_sampling_audit_stays_below_the_accountant():
     # use the other two coordinates only.
     model = _private(l2_norm_clip=1.0, linf_norm_clip=1 / math.sqrt(2),
                      noise_multiplier=0.7, coordinate_sampling_rate=0.5,
-                     expected_batch_size=6.0, physical_batch_size=4, seed=1)
+                     expected_batch_size=6.0, num_examples=6,
+                     physical_batch_size=4, seed=1)
     rng = np.random.default_rng(1)
     background_x = np.zeros((5, DIM), np.float32)
     background_x[:, 2:] = rng.standard_normal((5, 2))
@@ -102,7 +105,7 @@ def test_twice_sampling_audit_stays_below_the_accountant():
     before = [v.numpy() for v in model.trainable_variables]
 
     result = auditing.audit_one_step(
-        model, _canary(0, 1), num_examples=6, num_trials=4000, delta=DELTA,
+        model, _canary(0, 1), num_trials=4000, delta=DELTA,
         background=(background_x, background_y), seed=2)
 
     print(result)
@@ -128,12 +131,12 @@ def test_hybrid_audit_stays_below_the_accountant():
                      linf_norm_clip=[None, 0.8 / math.sqrt(2)],
                      noise_multiplier=[0.6, 0.6],
                      coordinate_sampling_rate=0.5, expected_batch_size=1.0,
-                     physical_batch_size=1, seed=3)
-    event = model.dp_event(1)
+                     num_examples=1, physical_batch_size=1, seed=3)
+    event = model.dp_event()
     assert event.block_dimensions == (1, DIM)
 
     result = auditing.audit_one_step(
-        model, _canary(0, 1, 2), num_examples=1, num_trials=4000,
+        model, _canary(0, 1, 2), num_trials=4000,
         delta=DELTA, seed=4)
 
     print(result)
@@ -146,11 +149,12 @@ def test_audit_catches_halved_noise():
     z = 0.7
     broken = _private(l2_norm_clip=1.0, linf_norm_clip=1.0,
                       noise_multiplier=z / 2, coordinate_sampling_rate=0.5,
-                      expected_batch_size=1.0, physical_batch_size=1, seed=5)
-    claimed = attr.evolve(broken.dp_event(2), noise_multiplier=z)
+                      expected_batch_size=1.0, num_examples=2,
+                      physical_batch_size=1, seed=5)
+    claimed = attr.evolve(broken.dp_event(), noise_multiplier=z)
 
     result = auditing.audit_one_step(
-        broken, _canary(0), num_examples=2, num_trials=10_000, delta=DELTA,
+        broken, _canary(0), num_trials=10_000, delta=DELTA,
         claimed_event=claimed, seed=6)
 
     print(result)
@@ -161,16 +165,16 @@ def test_audit_catches_halved_noise():
 
 def test_audit_runs_without_seeds_and_checks_arguments():
     model = _private(l2_norm_clip=1.0, noise_multiplier=1.0,
-                     expected_batch_size=1.0, physical_batch_size=1)
-    result = auditing.audit_one_step(model, _canary(0), num_examples=1,
-                                     num_trials=50, delta=DELTA)
+                     expected_batch_size=1.0, num_examples=1,
+                     physical_batch_size=1)
+    result = auditing.audit_one_step(model, _canary(0), num_trials=50,
+                                     delta=DELTA)
     assert result.num_evaluation_trials == 35
     assert math.isfinite(result.epsilon_lower_bound)
     assert result.epsilon_lower_bound >= 0.0
     with pytest.raises(ValueError, match='num_trials'):
-        auditing.audit_one_step(model, _canary(0), num_examples=1,
-                                num_trials=1, delta=DELTA)
+        auditing.audit_one_step(model, _canary(0), num_trials=1,
+                                delta=DELTA)
     with pytest.raises(ValueError, match='non-zero'):
-        auditing.audit_one_step(model, _canary(0), num_examples=1,
-                                num_trials=10, delta=DELTA,
-                                direction=[np.zeros((DIM, 1))])
+        auditing.audit_one_step(model, _canary(0), num_trials=10,
+                                delta=DELTA, direction=[np.zeros((DIM, 1))])

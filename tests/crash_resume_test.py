@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSamplingRdpAccountant
+from tf_twice.config import TwiceSamplingConfig
 from tf_twice.keras import DPModel
 from tf_twice.keras import PrivacyLedger
 
@@ -45,10 +46,11 @@ def _dp_model() -> DPModel:
     inner = tf.keras.Sequential([tf.keras.layers.Dense(
         3, input_shape=(4,),
         kernel_initializer=tf.keras.initializers.GlorotUniform(seed=0))])
-    dp = DPModel(inner, l2_norm_clip=1.0, linf_norm_clip=0.5,
-                 noise_multiplier=1.0, coordinate_sampling_rate=0.5,
-                 expected_batch_size=EXPECTED_BATCH, physical_batch_size=8,
-                 seed=3)
+    config = TwiceSamplingConfig.single(
+        num_examples=NUM_EXAMPLES, expected_batch_size=EXPECTED_BATCH,
+        l2_norm_clip=1.0, linf_norm_clip=0.5, noise_multiplier=1.0,
+        coordinate_sampling_rate=0.5)
+    dp = DPModel(inner, config, physical_batch_size=8, seed=3)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.1),
                loss=tf.keras.losses.SparseCategoricalCrossentropy(
                    from_logits=True))
@@ -96,7 +98,7 @@ def _crashed_run(ledger_path: str, checkpoint: tf.keras.callbacks.Callback):
     dp = _dp_model()
     recorder = _Recorder()
     ledger = PrivacyLedger.for_model(
-        dp, num_examples=NUM_EXAMPLES, delta=DELTA, state_path=ledger_path,
+        dp, delta=DELTA, state_path=ledger_path,
         save_every_steps=SAVE_EVERY, verbose=0)
     # The crash comes before the ledger and the checkpoint see its step.
     with pytest.raises(RuntimeError, match='simulated crash'):
@@ -109,7 +111,7 @@ def _crashed_run(ledger_path: str, checkpoint: tf.keras.callbacks.Callback):
 def _check_resumed_ledger(dp: DPModel, ledger_path: str) -> PrivacyLedger:
     """(a): the file charges every step that ran; resuming keeps it."""
     resumed = PrivacyLedger.for_model(
-        dp, num_examples=NUM_EXAMPLES, delta=DELTA, state_path=ledger_path,
+        dp, delta=DELTA, state_path=ledger_path,
         save_every_steps=SAVE_EVERY, verbose=0)
     assert CRASH_AT <= resumed.steps <= CRASH_AT + SAVE_EVERY
     assert resumed.epsilon == pytest.approx(

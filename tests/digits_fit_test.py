@@ -12,6 +12,7 @@ import tensorflow as tf
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
+from tf_twice.config import TwiceSamplingConfig
 from tf_twice.keras import guards
 from tf_twice.keras.ledger import PrivacyLedger
 
@@ -41,10 +42,11 @@ def test_dp_fit_on_digits_learns_and_ledger_matches_accountant():
         from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
     guards.check_no_example_mixing(inner)
     guards.check_per_example_loss(loss)
-    model = dp_model.DPModel(
-        inner, l2_norm_clip=c2, noise_multiplier=z, expected_batch_size=batch,
-        physical_batch_size=32, linf_norm_clip=c_inf,
-        coordinate_sampling_rate=q2, seed=0)
+    config = TwiceSamplingConfig.single(
+        num_examples=len(x_train), expected_batch_size=batch,
+        l2_norm_clip=c2, noise_multiplier=z, linf_norm_clip=c_inf,
+        coordinate_sampling_rate=q2)
+    model = dp_model.DPModel(inner, config, physical_batch_size=32, seed=0)
     model.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=loss,
                   metrics=['accuracy'])
 

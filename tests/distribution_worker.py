@@ -28,10 +28,19 @@ if not _MULTI_WORKER:
 from tests import tiny_models  # noqa: E402
 from tf_twice import optimizers  # noqa: E402
 from tf_twice import sampling  # noqa: E402
-from tf_twice.keras import PrivacyLedger, make_private  # noqa: E402
+from tf_twice.config import TwiceSamplingConfig  # noqa: E402
+from tf_twice.keras import DPModel, PrivacyLedger  # noqa: E402
 
-MASKED = dict(l2_norm_clip=0.6, linf_norm_clip=0.15,
-              coordinate_sampling_rate=0.5, expected_batch_size=6.0)
+NUM_EXAMPLES = 24
+
+
+def _config(noise_multiplier):
+    """Masked and clipped; noise 0 is a non-private baseline."""
+    return TwiceSamplingConfig.single(
+        num_examples=NUM_EXAMPLES, expected_batch_size=6.0, l2_norm_clip=0.6,
+        linf_norm_clip=0.15, coordinate_sampling_rate=0.5,
+        noise_multiplier=noise_multiplier,
+        non_private=noise_multiplier == 0)
 
 
 _STRATEGIES = {}
@@ -51,15 +60,15 @@ def _strategy(replicas):
 
 def _build(path, noise_multiplier, inner_fn, physical_batch_size=3):
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    mechanism = dict(MASKED, noise_multiplier=noise_multiplier, seed=17)
+    config = _config(noise_multiplier)
     if path == 'model':
-        dp = make_private(inner_fn(), physical_batch_size=physical_batch_size,
-                          **mechanism)
+        dp = DPModel(inner_fn(), config,
+                     physical_batch_size=physical_batch_size, seed=17)
         dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=loss)
     else:
-        dp = make_private(inner_fn(), physical_batch_size=physical_batch_size)
+        dp = DPModel(inner_fn(), physical_batch_size=physical_batch_size)
         dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            learning_rate=1.0, **mechanism), loss=loss)
+            config, learning_rate=1.0, seed=17), loss=loss)
     return dp
 
 
@@ -77,7 +86,7 @@ def noiseless_update(replicas, path, strategy=None):
 def noise_std_and_ledger(replicas, path):
     """Update std of zero-gradient steps (pure noise), and ledger steps."""
     z = 2.0
-    num_examples, steps = 24, 3
+    num_examples, steps = NUM_EXAMPLES, 3
 
     def zero_model():
         return tf.keras.Sequential([tf.keras.layers.Dense(
@@ -88,8 +97,7 @@ def noise_std_and_ledger(replicas, path):
     y = np.zeros((num_examples,), np.int64)
     with _strategy(replicas).scope():
         dp = _build(path, z, zero_model, physical_batch_size=2)
-        ledger = PrivacyLedger.for_model(dp, num_examples=num_examples,
-                                         delta=1e-5, verbose=0)
+        ledger = PrivacyLedger.for_model(dp, delta=1e-5, verbose=0)
         data = sampling.poisson_batches(
             x, y, physical_batch_size=2, expected_batch_size=6.0,
             steps=steps, seed=5)

@@ -20,13 +20,15 @@ from tests import tiny_models
 
 from tf_twice import models
 from tf_twice import optimizers
-from tf_twice.keras import make_private
+from tf_twice.config import TwiceSamplingConfig
+from tf_twice.keras import DPModel
 
 LR, C2, Q2, B_EXP = 1.0, 0.01, 0.5, 4.0
 # Noise 0: not private, it isolates the clipped masked sum for the test.
-MECHANISM = dict(l2_norm_clip=C2, noise_multiplier=0.0, linf_norm_clip=None,
-                 coordinate_sampling_rate=Q2, expected_batch_size=B_EXP,
-                 seed=5)
+CONFIG = TwiceSamplingConfig.single(
+    num_examples=100, expected_batch_size=B_EXP, l2_norm_clip=C2,
+    noise_multiplier=0.0, coordinate_sampling_rate=Q2, non_private=True)
+SEED = 5
 BAD_ROW = 2
 BAD_VALUES = {'nan': np.nan, 'inf': np.inf, 'huge': 1e38}
 
@@ -34,12 +36,12 @@ BAD_VALUES = {'nan': np.nan, 'inf': np.inf, 'huge': 1e38}
 def _private(inner, path):
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if path == 'model':
-        dp = make_private(inner, physical_batch_size=3, **MECHANISM)
+        dp = DPModel(inner, CONFIG, physical_batch_size=3, seed=SEED)
         dp.compile(optimizer=tf.keras.optimizers.SGD(LR), loss=loss)
     else:
-        dp = make_private(inner, physical_batch_size=3)
+        dp = DPModel(inner, physical_batch_size=3)
         dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            learning_rate=LR, **MECHANISM), loss=loss)
+            CONFIG, learning_rate=LR, seed=SEED), loss=loss)
     return dp
 
 
