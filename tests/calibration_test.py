@@ -151,6 +151,27 @@ def test_search_from_any_start_is_tight_or_at_the_lower_end(start):
         start=start) == 0.1
 
 
+def test_search_handles_kinks_jumps_and_infinities():
+    # A minimum of curves (as over RDP orders): kinks.
+    def kinked(s):
+        return min(3.0 / s, 1.0 + 1.0 / s ** 3, 0.2 + 4.0 / s ** 0.5)
+
+    s = calibration.smallest_scale_meeting(kinked, 1.5, lower=0.01,
+                                           upper=1e4, tolerance=1e-6)
+    assert 1.5 * (1 - 1e-6) <= kinked(s) <= 1.5
+    # A jump from 2 to 0.5 at s = 3 never lands in [0.99, 1]: the smallest
+    # passing scale is returned, to the search's resolution.
+    s = calibration.smallest_scale_meeting(
+        lambda s: 2.0 if s < 3.0 else 0.5, 1.0, lower=0.01, upper=1e4,
+        tolerance=0.01)
+    assert 3.0 <= s <= 3.0 * (1 + 1e-9)
+    # Infinite epsilon at small scales.
+    s = calibration.smallest_scale_meeting(
+        lambda s: np.inf if s < 1.0 else 1.0 / s, 0.5, lower=0.01, upper=1e4,
+        tolerance=0.01)
+    assert 0.99 * 0.5 <= 1.0 / s <= 0.5
+
+
 def test_unreachable_target_is_a_clear_error():
     with pytest.raises(ValueError, match='target_epsilon=1e-06 is unreachable'):
         calibrate_noise_multiplier(target_epsilon=1e-6, delta=1e-5,

@@ -194,11 +194,15 @@ def smallest_scale_meeting(
         exact_epsilon_of_scale: Optional[Callable[[float], float]] = None
 ) -> float:
     """The smallest s in [lower, upper] meeting epsilon_of_scale(s) <= target,
-    for a non-increasing function, by a bracket search in log s from `start`
-    (default: the geometric middle) and bisection.
+    for a non-increasing function.
 
     Returns s with epsilon in [(1 - tolerance) * target, target], or `lower`
     if even `lower` meets the target. Never returns an s that misses it.
+
+    Search: from `start` (default: the geometric middle) the bracket widens
+    by factors of 4 until it holds the answer; then regula falsi on
+    log epsilon against log s (nearly linear), Illinois-damped and every
+    third step a bisection, so the bracket always shrinks.
 
     `epsilon_of_scale` may be a cheaper upper bound of
     `exact_epsilon_of_scale` (e.g. from the leading RDP orders only). The
@@ -220,55 +224,104 @@ def smallest_scale_meeting(
                               tolerance, scale_name, scale)
 
 
+class _Found(Exception):
+    """Ends a search early with a scale that meets the target tightly."""
+
+    def __init__(self, scale: float):
+        super().__init__(scale)
+        self.scale = scale
+
+
 def _smallest_scale_by(epsilon_of_scale: Callable[[float], float],
                        exact: Callable[[float], float], target_epsilon: float,
                        lower: float, upper: float, tolerance: float,
                        scale_name: str, start: Optional[float]) -> float:
     """`smallest_scale_meeting` with one function (`exact` only refuses)."""
-    log_lower, log_upper = math.log(lower), math.log(upper)
-    middle = 0.5 * (log_lower + log_upper) if start is None else min(
-        max(math.log(start), log_lower), log_upper)
     low_enough = (1.0 - tolerance) * target_epsilon
-    step = math.log(_BRACKET_FACTOR)
 
-    # Bracket: failing < passing (log scales), widening by `step`.
-    failing, passing = None, None
-    point = middle
-    while failing is None or passing is None:
-        eps = epsilon_of_scale(math.exp(point))
-        if eps <= target_epsilon:
-            if eps >= low_enough:
-                return math.exp(point)
+    def excess(log_scale: float) -> float:
+        """log(epsilon / target): > 0 fails, in [log(1-tol), 0] is found."""
+        eps = epsilon_of_scale(math.exp(log_scale))
+        if low_enough <= eps <= target_epsilon:
+            raise _Found(math.exp(log_scale))
+        with np.errstate(divide='ignore'):
+            return float(np.log(eps / target_epsilon))
+
+    try:
+        bracket = _bracket(excess, math.log(lower), math.log(upper),
+                           None if start is None else math.log(start))
+    except _Found as found:
+        return found.scale
+    if bracket is None:  # Even the upper end fails.
+        eps_upper = exact(upper)
+        if eps_upper > target_epsilon:
+            raise ValueError(
+                f'target_epsilon={target_epsilon} is unreachable: even '
+                f'{scale_name}={upper:g} (the largest searched) gives '
+                f'epsilon={eps_upper:.6g}. Allowed: a target above that, or '
+                'fewer steps or smaller sampling rates.')
+        return upper
+    if bracket[0] is None:  # Even the lower end passes.
+        return lower
+    try:
+        return math.exp(_refine(excess, *bracket,
+                                goal=math.log1p(-0.5 * tolerance)))
+    except _Found as found:
+        return found.scale
+
+
+def _bracket(excess: Callable[[float], float], log_lower: float,
+             log_upper: float, log_start: Optional[float]):
+    """(failing, its excess, passing, its excess) with failing < passing;
+    (None, ...) when log_lower passes, None when log_upper fails."""
+    point = 0.5 * (log_lower + log_upper) if log_start is None else min(
+        max(log_start, log_lower), log_upper)
+    step = math.log(_BRACKET_FACTOR)
+    failing = passing = None
+    while True:
+        value = excess(point)
+        if value <= 0.0:
+            passing = (point, value)
             if point <= log_lower:
-                return lower
-            passing = point
-            if failing is None:
-                point = max(point - step, log_lower)
+                return (None, None) + passing
+            point = max(point - step, log_lower)
         else:
             if point >= log_upper:
-                eps_upper = exact(upper)
-                if eps_upper > target_epsilon:
-                    raise ValueError(
-                        f'target_epsilon={target_epsilon} is unreachable: '
-                        f'even {scale_name}={upper:g} (the largest '
-                        f'searched) gives epsilon={eps_upper:.6g}. Allowed: '
-                        'a target above that, or fewer steps or smaller '
-                        'sampling rates.')
-                return upper
-            failing = point
-            if passing is None:
-                point = min(point + step, log_upper)
+                return None
+            failing = (point, value)
+            point = min(point + step, log_upper)
+        if failing is not None and passing is not None:
+            return failing + passing
 
+
+def _refine(excess: Callable[[float], float], failing: float,
+            failing_excess: float, passing: float, passing_excess: float, *,
+            goal: float) -> float:
+    """Shrinks [failing, passing] around excess = goal; returns `passing`."""
+    failing_value, passing_value = failing_excess - goal, passing_excess - goal
+    kept = 0  # +1: the passing end moved last, -1: the failing end.
+    iteration = 0
     while passing - failing > 1e-12:
-        middle = 0.5 * (failing + passing)
-        eps = epsilon_of_scale(math.exp(middle))
-        if eps <= target_epsilon:
-            passing = middle
-            if eps >= low_enough:
-                break
+        iteration += 1
+        point = 0.5 * (failing + passing)
+        if iteration % 3 and math.isfinite(failing_value + passing_value):
+            # Regula falsi: the zero of the chord, strictly inside.
+            point = passing - passing_value * (passing - failing) / (
+                passing_value - failing_value)
+            if not failing < point < passing:
+                point = 0.5 * (failing + passing)
+        value = excess(point) - goal
+        if value + goal <= 0.0:
+            passing, passing_value = point, value
+            if kept == 1:  # Illinois: the failing end stayed, damp it.
+                failing_value *= 0.5
+            kept = 1
         else:
-            failing = middle
-    return math.exp(passing)
+            failing, failing_value = point, value
+            if kept == -1:
+                passing_value *= 0.5
+            kept = -1
+    return passing
 
 
 def check_target_epsilon(target_epsilon: float) -> float:

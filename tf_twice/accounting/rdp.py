@@ -330,6 +330,7 @@ def _log_coordinate_moment_slopes(max_order: int, rate: float,
 
     def tilted_mean_of_pairs(terms: np.ndarray, width: int) -> np.ndarray:
         terms -= terms.max(axis=-1, keepdims=True)
+        np.maximum(terms, _FLOOR, out=terms)  # Fast exp; ~1e-300 relative.
         np.exp(terms, out=terms)
         return (terms @ pairs[:width]) / terms.sum(axis=-1)
 
