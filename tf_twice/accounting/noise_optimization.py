@@ -13,7 +13,7 @@ with sampling rates (q1, q2) and l-infinity clips there is no closed form;
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import optimize
@@ -182,7 +182,8 @@ def _orders_near(orders: np.ndarray, center: float,
 def _solve_at_order(order: int, start: np.ndarray, weights: np.ndarray,
                     target_epsilon: float,
                     epsilon_function: calibration.EpsilonOfBlocks,
-                    with_noise) -> Optional[np.ndarray]:
+                    with_noise: Callable[[np.ndarray], blocks_lib.Blocks]
+                    ) -> Optional[np.ndarray]:
     """SLSQP for min sum w_j z_j^2 s.t. conversion(order, steps*rdp) <= eps.
 
     The conversion is affine in the RDP with unit slope, so the budget on the
@@ -199,7 +200,7 @@ def _solve_at_order(order: int, start: np.ndarray, weights: np.ndarray,
         terms = weights * np.exp(2.0 * u) / scale
         return float(np.sum(terms)), 2.0 * terms
 
-    last = {}
+    last: Dict[bytes, Tuple[float, np.ndarray]] = {}
 
     def rdp_and_gradient(u: np.ndarray) -> Tuple[float, np.ndarray]:
         key = u.tobytes()
