@@ -144,6 +144,51 @@ def test_build_model_by_name():
     model = models.build_model('small_cnn', input_shape=(8, 8, 1),
                                padding='same')
     assert model.name == 'small_cnn'
-    assert set(models.MODELS) == {'small_cnn', 'resnet22'}
+    assert set(models.MODELS) == {'small_cnn', 'resnet22', 'tanh_cnn'}
+    assert models.build_model('tanh_cnn').name == 'tanh_cnn'
     with pytest.raises(ValueError, match='name'):
         models.build_model('resnet50')
+
+
+@pytest.fixture(scope='module')
+def tanh():
+    return models.tanh_cnn()
+
+
+def test_tanh_cnn_has_26010_parameters(tanh):
+    # The (Fashion-)MNIST CNN of Tramer & Boneh (ICLR 2021).
+    assert tanh.count_params() == 26_010
+    assert _num_trainable(tanh) == 26_010
+    shapes = [tuple(w.shape) for w in tanh.trainable_weights]
+    assert shapes == [(8, 8, 1, 16), (16,), (4, 4, 16, 32), (32,),
+                      (512, 32), (32,), (32, 10), (10,)]
+
+
+def test_tanh_cnn_layers(tanh):
+    convs = [l for l in tanh.layers if isinstance(l, tf.keras.layers.Conv2D)]
+    assert [(c.strides, c.padding) for c in convs] == [
+        ((2, 2), 'same'), ((2, 2), 'valid')]
+    pools = [l for l in tanh.layers
+             if isinstance(l, tf.keras.layers.MaxPool2D)]
+    assert [(p.pool_size, p.strides) for p in pools] == [((2, 2), (1, 1))] * 2
+    activations = [l.get_config()['activation'] for l in tanh.layers
+                   if isinstance(l, (tf.keras.layers.Conv2D,
+                                     tf.keras.layers.Dense))]
+    assert activations == ['tanh', 'tanh', 'tanh', 'linear']
+
+
+def test_tanh_cnn_has_no_example_mixing_layer(tanh):
+    guards.check_no_example_mixing(tanh)  # Raises if there is one.
+    x = np.random.default_rng(2).normal(size=(3, 28, 28, 1))
+    together = tanh(x.astype(np.float32), training=True).numpy()
+    alone = tanh(x[1:2].astype(np.float32), training=True).numpy()
+    assert together.shape == (3, 10)
+    np.testing.assert_allclose(together[1:2], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_tanh_cnn_refuses_small_inputs_by_name():
+    assert models.tanh_cnn((13, 13, 1)).output_shape == (None, 10)
+    with pytest.raises(ValueError, match='>= 13'):
+        models.tanh_cnn((12, 12, 1))
+    with pytest.raises(ValueError, match='input_shape'):
+        models.tanh_cnn((8, 8, 1))

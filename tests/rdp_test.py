@@ -8,7 +8,10 @@ import mpmath
 import numpy as np
 from numpy.polynomial import hermite_e
 import pytest
+from scipy import special
 
+from tf_twice.accounting import blocks as blocks_lib
+from tf_twice.accounting import rdp as rdp_lib
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import twice_sampling_rdp
@@ -354,6 +357,78 @@ def test_block_dimension_below_d0_is_that_many_coordinates(c2, dimension):
         l2_norm_clip=c2_of_r, **kwargs)
     np.testing.assert_allclose(capped, same, rtol=1e-12)
     assert np.all(np.isfinite(capped)) and np.all(capped > 0)
+
+
+# ---------------------------------------------------------------------------
+# The analytic gradient in log z and the evaluation shortcuts.
+
+
+GRADIENT_SETTINGS = [
+    # order, q1, q2, z, c2, c_inf, block dimensions
+    (10, 0.01, 0.5, 1.0, 1.0, 0.1, None),
+    (32, 0.01, 0.5, [1.0, 2.0, 0.5, 3.0, 1.0], [0.6, 0.3, 0.2, 0.4, 1.0],
+     [0.1, 0.05, 0.02, 0.02, 0.01], [250, 500, 1000, 1500, 288_648]),
+    (7, 1.0, 1.0, [1.0, 2.0], 1.0, None, None),
+    (7, 0.3, 1.0, [1.0, 2.0], 1.0, 0.37, None),
+    (7, 1.0, 0.3, [1.0, 2.0], 1.0, 0.37, None),  # A remainder coordinate.
+    (64, 0.5, 0.5, 0.3, 1.0, 0.2, None),
+    (128, 1e-6, 1e-6, 3.0, 1e4, 1.0, None),
+    (200, 0.02, 0.7, [0.8, 1.5], [1.0, 2.0], [0.3, 0.5], None),
+]
+
+
+@pytest.mark.parametrize('order,q1,q2,z,c2,cinf,dims', GRADIENT_SETTINGS)
+def test_noise_gradient_matches_finite_differences(order, q1, q2, z, c2,
+                                                   cinf, dims):
+    blocks = blocks_lib.Blocks.from_arguments(z, c2, cinf, dims)
+
+    def rdp_at(log_z):
+        return twice_sampling_rdp(
+            [order], example_sampling_rate=q1, coordinate_sampling_rate=q2,
+            noise_multiplier=np.exp(log_z), l2_norm_clip=blocks.l2_norm_clips,
+            linf_norm_clip=blocks.linf_norm_clips,
+            block_dimensions=dims)[0]
+
+    value, gradient = rdp_lib.rdp_and_noise_gradient(order, q1, q2, blocks)
+    log_z = np.log(blocks.noise_multipliers)
+    assert value == rdp_at(log_z)
+    step = 1e-5
+    for j in range(blocks.size):
+        shift = np.zeros(blocks.size)
+        shift[j] = step
+        central = (rdp_at(log_z + shift) - rdp_at(log_z - shift)) / (2 * step)
+        assert gradient[j] == pytest.approx(central, rel=1e-6)
+    assert np.all(gradient < 0)  # More noise, less privacy loss.
+
+
+def test_floored_logsumexp_never_undercuts_the_exact_one():
+    # Terms far below the largest are raised to exp(-700) relative: the sum
+    # can only grow, and by far less than its rounding.
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.uniform(-5000.0, 50.0, size=(40, 300)),
+                        np.full((40, 20), -np.inf)], axis=1)
+    x[0] = -np.inf
+    x[1, :] = -1e4
+    x[1, 7] = 3.0
+    exact = special.logsumexp(x, axis=-1)
+    ours = rdp_lib._logsumexp_last_axis(x.copy())  # pylint: disable=protected-access
+    assert ours[0] == -np.inf
+    assert np.all(ours[1:] >= exact[1:])
+    np.testing.assert_allclose(ours[1:], exact[1:], rtol=1e-15, atol=0)
+
+
+def test_many_blocks_are_the_sum_of_single_blocks():
+    # 7 blocks with a remainder coordinate each: 14 exponents, more than one
+    # batch of them; orders past one batch of rows.
+    z = np.linspace(0.5, 3.0, 7)
+    c2 = np.linspace(0.3, 2.0, 7)
+    cinf = c2 / np.sqrt(np.linspace(1.5, 40.5, 7))
+    blocks = blocks_lib.Blocks.from_arguments(z, c2, cinf)
+    together = rdp_lib.log_moments_of_coordinate_sampling(300, 0.4, blocks)
+    apart = sum(rdp_lib.log_moments_of_coordinate_sampling(
+        300, 0.4, blocks_lib.Blocks.from_arguments(z[j], c2[j], cinf[j]))
+                for j in range(7))
+    np.testing.assert_allclose(together, apart, rtol=1e-13, atol=0)
 
 
 # ---------------------------------------------------------------------------

@@ -6,6 +6,8 @@ Pure numpy, scipy and dp_accounting: importing it does not import TensorFlow
 * `twice_sampling_rdp`: the exact RDP of one step ([COORD] + [TWICE]).
 * `TwiceSampledGaussianDpEvent`, `TwiceSamplingRdpAccountant`: the
   dp_accounting extension.
+* `epsilon_after_steps`, `epsilon_and_optimal_order_after_steps`: epsilon
+  after T identical steps (a float; the tuple adds the optimal order).
 * `calibrate_noise_multiplier`, `optimize_block_noise`,
   `hybrid_clipping_noise_multipliers`: noise choice.
 * `compute_twice_sampling_privacy[_statement]`: beside tf_privacy's.
@@ -15,6 +17,7 @@ from tf_twice.accounting.accountant import TwiceSamplingRdpAccountant
 from tf_twice.accounting.calibration import calibrate_noise_multiplier
 from tf_twice.accounting.calibration import DEFAULT_ORDERS
 from tf_twice.accounting.calibration import epsilon_after_steps
+from tf_twice.accounting.calibration import epsilon_and_optimal_order_after_steps
 from tf_twice.accounting.calibration import MAX_NOISE_MULTIPLIER
 from tf_twice.accounting.calibration import MIN_NOISE_MULTIPLIER
 from tf_twice.accounting.conversion import Conversion
@@ -41,6 +44,7 @@ __all__ = [
     'compute_twice_sampling_privacy',
     'compute_twice_sampling_privacy_statement',
     'epsilon_after_steps',
+    'epsilon_and_optimal_order_after_steps',
     'hybrid_clipping_noise_multipliers',
     'hybrid_noise_variance_ratio',
     'noise_variance_ratio',

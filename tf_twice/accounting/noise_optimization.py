@@ -13,7 +13,7 @@ with sampling rates (q1, q2) and l-infinity clips there is no closed form;
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import optimize
@@ -21,7 +21,6 @@ from scipy import optimize
 from tf_twice.accounting import blocks as blocks_lib
 from tf_twice.accounting import calibration
 from tf_twice.accounting import conversion as conversion_lib
-from tf_twice.accounting import rdp as rdp_lib
 
 
 def hybrid_clipping_noise_multipliers(
@@ -73,9 +72,12 @@ def optimize_block_noise(
 
     Method: the budget is min over orders alpha of
     conversion(alpha, steps * rdp_alpha(z)); for one alpha the constraint is
-    smooth, so SLSQP in log z is run at the orders near the optimal order of
-    the best single-shape start (uniform z or the [HYBRID-OPT] shape), and the
-    best solution after a final feasibility check wins.
+    smooth, so SLSQP in log z, with the analytic gradient of rdp_alpha, is
+    run at the orders near the optimal order of the best single-shape start
+    (uniform z or the [HYBRID-OPT] shape). Every candidate is made to meet the
+    budget at the leading orders (a sound bound on all orders, see
+    `calibration.EpsilonOfBlocks`); the one of least variance wins and is
+    then scaled to be tight against all orders.
 
     Args:
       ranks: r_j, the number of coordinates of each block (also used to
@@ -86,14 +88,10 @@ def optimize_block_noise(
       ValueError: on bad arguments or an unreachable target.
     """
     target_epsilon = calibration.check_target_epsilon(target_epsilon)
-    steps = blocks_lib.check_steps('steps', steps)
-    delta = blocks_lib.check_delta(delta)
-    q1 = blocks_lib.check_rate('example_sampling_rate', example_sampling_rate)
-    q2 = blocks_lib.check_rate('coordinate_sampling_rate',
-                               coordinate_sampling_rate)
-    orders_array = rdp_lib.check_orders(
-        calibration.DEFAULT_ORDERS if orders is None else orders)
-    conversion = conversion_lib.as_conversion(conversion)
+    epsilon_function = calibration.checked_epsilon_function(
+        steps=steps, delta=delta, example_sampling_rate=example_sampling_rate,
+        coordinate_sampling_rate=coordinate_sampling_rate, orders=orders,
+        conversion=conversion)
     template = blocks_lib.Blocks.from_arguments(
         1.0, l2_norm_clips, linf_norm_clips, ranks,
         l2_norm_clip_name='l2_norm_clips',
@@ -109,22 +107,25 @@ def optimize_block_noise(
                                  template.l2_norm_clips,
                                  template.linf_norm_clips, template.dimensions)
 
-    def epsilon(z) -> Tuple[float, float]:
-        return calibration.epsilon_of_blocks(
-            with_noise(z), steps=steps, delta=delta, example_sampling_rate=q1,
-            coordinate_sampling_rate=q2, orders=orders_array,
-            conversion=conversion)
-
     def total_variance(z) -> float:
         return float(np.sum(weights * np.asarray(z) ** 2))
 
-    def feasible_scaling(shape: np.ndarray, lower: float) -> np.ndarray:
-        """Smallest multiple t * shape (t >= lower) meeting the budget."""
+    def feasible_scaling(shape: np.ndarray, lower: float,
+                         exact: bool = False) -> np.ndarray:
+        """Smallest multiple t * shape (t >= lower) meeting the budget.
+
+        Searched on the leading orders (sound, see EpsilonOfBlocks); with
+        `exact`, also tight against all orders.
+        """
         upper = calibration.MAX_NOISE_MULTIPLIER / float(np.min(shape))
+        lower = min(lower, upper)
         t = calibration.smallest_scale_meeting(
-            lambda t: epsilon(t * shape)[0], target_epsilon,
-            lower=min(lower, upper), upper=upper,
-            tolerance=1e-4, scale_name='the noise scale')
+            lambda t: epsilon_function.leading_epsilon(with_noise(t * shape)),
+            target_epsilon, lower=lower, upper=upper, tolerance=1e-4,
+            scale_name='the noise scale', start=max(lower, 1.0),
+            exact_epsilon_of_scale=(
+                (lambda t: epsilon_function.epsilon(with_noise(t * shape)))
+                if exact else None))
         return t * shape
 
     closed_form = np.array(hybrid_clipping_noise_multipliers(
@@ -135,23 +136,31 @@ def optimize_block_noise(
         feasible_scaling(shape, lowest)
         for shape in (np.ones(template.size), closed_form)]
     start = min(candidates, key=total_variance)
-    _, start_order = epsilon(start)
+    _, start_order = epsilon_function.leading_epsilon_and_optimal_order(
+        with_noise(start))
 
-    for order in _orders_near(orders_array, start_order):
+    for order in _orders_near(epsilon_function.orders, start_order):
         solution = _solve_at_order(
-            order, start, weights, target_epsilon, steps, delta, q1, q2,
-            with_noise, conversion)
+            order, start, weights, target_epsilon, epsilon_function,
+            with_noise)
         if solution is None:
             continue
-        # Repair any slack SLSQP left in the constraint, against all orders.
-        if epsilon(solution)[0] > target_epsilon:
+        # Repair any slack SLSQP left in the constraint, against the leading
+        # orders (a sound bound on all of them).
+        if epsilon_function.leading_epsilon(with_noise(solution)) > (
+                target_epsilon):
             solution = feasible_scaling(solution, 1.0)
         candidates.append(solution)
 
     best = min(candidates, key=total_variance)
-    if epsilon(best)[0] > target_epsilon:  # Unreachable by construction.
+    # Every candidate meets the budget; all orders may allow a little less
+    # noise than the leading ones, so the winner is made tight against them.
+    best = feasible_scaling(
+        best, calibration.MIN_NOISE_MULTIPLIER / float(np.max(best)),
+        exact=True)
+    if epsilon_function.epsilon(with_noise(best)) > target_epsilon:
         raise AssertionError('noise optimisation produced an infeasible '
-                             'result')
+                             'result')  # Unreachable by construction.
     return tuple(float(z) for z in best)
 
 
@@ -170,35 +179,45 @@ def _orders_near(orders: np.ndarray, center: float,
     return [int(a) for a in near] or [int(np.ceil(center))]
 
 
-def _solve_at_order(order, start, weights, target_epsilon, steps, delta, q1,
-                    q2, with_noise, conversion) -> Optional[np.ndarray]:
+def _solve_at_order(order: int, start: np.ndarray, weights: np.ndarray,
+                    target_epsilon: float,
+                    epsilon_function: calibration.EpsilonOfBlocks,
+                    with_noise: Callable[[np.ndarray], blocks_lib.Blocks]
+                    ) -> Optional[np.ndarray]:
     """SLSQP for min sum w_j z_j^2 s.t. conversion(order, steps*rdp) <= eps.
 
     The conversion is affine in the RDP with unit slope, so the budget on the
-    per-step RDP at this order is (target - offset(order)) / steps.
+    per-step RDP at this order is (target - offset(order)) / steps. Works in
+    u = log z with the analytic gradient of the RDP
+    (`rdp.rdp_and_noise_gradient`).
     """
-    big = 10.0
-    offset = conversion_lib.rdp_to_epsilon([order], [big], delta,
-                                           conversion)[0] - big
-    rdp_budget = (target_epsilon - offset) / steps
+    rdp_budget = epsilon_function.rdp_budget(order, target_epsilon)
     if rdp_budget <= 0:
         return None
-    order_array = np.array([float(order)])
     scale = float(np.sum(weights * start ** 2))
 
-    def objective(u):
-        return float(np.sum(weights * np.exp(2 * u))) / scale
+    def objective(u: np.ndarray) -> Tuple[float, np.ndarray]:
+        terms = weights * np.exp(2.0 * u) / scale
+        return float(np.sum(terms)), 2.0 * terms
 
-    def slack(u):
-        rdp = rdp_lib.rdp_of_blocks(order_array, q1, q2,
-                                    with_noise(np.exp(u)))[0]
-        return 1.0 - rdp / rdp_budget
+    last: Dict[bytes, Tuple[float, np.ndarray]] = {}
+
+    def rdp_and_gradient(u: np.ndarray) -> Tuple[float, np.ndarray]:
+        key = u.tobytes()
+        if key not in last:  # SLSQP asks for the value, then the gradient.
+            last.clear()
+            last[key] = epsilon_function.rdp_and_noise_gradient(
+                order, with_noise(np.exp(u)))
+        return last[key]
 
     bounds = [(math.log(calibration.MIN_NOISE_MULTIPLIER),
                math.log(calibration.MAX_NOISE_MULTIPLIER))] * len(start)
     result = optimize.minimize(
-        objective, np.log(start), method='SLSQP', bounds=bounds,
-        constraints=[{'type': 'ineq', 'fun': slack}],
+        objective, np.log(start), jac=True, method='SLSQP', bounds=bounds,
+        constraints=[{
+            'type': 'ineq',
+            'fun': lambda u: 1.0 - rdp_and_gradient(u)[0] / rdp_budget,
+            'jac': lambda u: -rdp_and_gradient(u)[1] / rdp_budget}],
         options={'ftol': 1e-12, 'maxiter': 200})
     if not np.all(np.isfinite(result.x)):
         return None

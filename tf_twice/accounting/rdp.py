@@ -32,55 +32,70 @@ expm1(x) so that values near 1 (huge d0, tiny q1 or q2) keep their digits.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence, Union
+import math
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from scipy import special
 
 from tf_twice.accounting import blocks as blocks_lib
 
-# The largest RDP order accepted. The cost is O(MAX_ORDER^2) memory and time;
-# dp_accounting's default orders stop at 1024.
+# The largest RDP order accepted. The cost is O(MAX_ORDER^2) time per
+# coordinate size; dp_accounting's default orders stop at 1024.
 MAX_ORDER = 2048
+# Binomial tables are evaluated in pieces of at most this many rows and
+# exponent vectors: bounds the temporaries (128 x 8 x 2049 doubles = 17 MB)
+# and skips most of the empty upper triangle (l > v) of each table.
+_ROW_BLOCK = 128
+_EXPONENT_BLOCK = 8
 
 
 @functools.lru_cache(maxsize=4)
-def _log_binomials(v_max: int) -> np.ndarray:
-    """log C(v, l) for 0 <= l, v <= v_max; -inf where l > v. Read-only."""
-    v = np.arange(v_max + 1, dtype=np.float64)
-    l = v[None, :]
-    v = v[:, None]
-    with np.errstate(invalid='ignore'):
-        table = (special.gammaln(v + 1) - special.gammaln(l + 1)
-                 - special.gammaln(np.maximum(v - l, 0) + 1))
-    table = np.where(l <= v, table, -np.inf)
+def _log_factorials(n: int) -> np.ndarray:
+    """log k! for k = 0..n. Read-only."""
+    table = special.gammaln(np.arange(n + 1, dtype=np.float64) + 1.0)
     table.setflags(write=False)
     return table
 
 
-@functools.lru_cache(maxsize=8)
-def _log_binomial_weights(v_max: int, rate: float) -> np.ndarray:
-    """log[C(v,l) (1-rate)^(v-l) rate^l] for 0 <= l, v <= v_max. Read-only.
+@functools.lru_cache(maxsize=4)
+def _negative_log_factorial_toeplitz(n: int) -> np.ndarray:
+    """T[v, l] = -log (v-l)! for l <= v and -inf for l > v, 0 <= v, l <= n.
 
-    Row v is the Binomial(v, rate) pmf in log space, -inf where l > v;
-    (1-rate)^0 = 1 also at rate = 1. Cached: calibration calls this with the
-    same rates many times.
+    A read-only strided view of one array of length 2n+1 (no n^2 storage):
+    C(v,l) = v! / (l! (v-l)!) splits into a row factor, a column factor and
+    this Toeplitz factor, so a binomial table costs one addition per entry.
     """
-    log_binom = _log_binomials(v_max)
-    v = np.arange(v_max + 1, dtype=np.float64)
-    misses = np.maximum(v[:, None] - v[None, :], 0.0)
-    table = (log_binom + special.xlog1py(misses, -rate)
-             + special.xlogy(v[None, :], rate))
-    table.setflags(write=False)
-    return table
+    log_factorials = _log_factorials(n)
+    line = np.concatenate([-log_factorials[::-1], np.full(n, -np.inf)])
+    line.setflags(write=False)
+    # Window s is line[s:s+n+1]; row v of T is window n - v.
+    return np.lib.stride_tricks.sliding_window_view(line, n + 1)[::-1]
 
 
-def _row_logsumexp(x: np.ndarray) -> np.ndarray:
-    """log(sum(exp(x), axis=1)); -inf for a row that is all -inf."""
-    row_max = x.max(axis=1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+# Relative terms below exp(_FLOOR) are raised to it before exponentiating:
+# exp() of an argument that underflows is several times slower than of a
+# normal one. Raising a term over-estimates the sum (still an upper bound)
+# by at most (number of terms) * exp(-700) relative, far below rounding.
+_FLOOR = -700.0
+
+
+def _logsumexp_last_axis(x: np.ndarray) -> np.ndarray:
+    """log(sum(exp(x), axis=-1)) up to rounding, never below it; -inf where
+    x is all -inf.
+
+    Overwrites `x` (a temporary of the caller's) to save passes over memory.
+    """
+    top = x.max(axis=-1, keepdims=True)
+    empty = ~np.isfinite(top)
+    top[empty] = 0.0
+    np.subtract(x, top, out=x)
+    np.maximum(x, _FLOOR, out=x)
+    np.exp(x, out=x)
+    sums = x.sum(axis=-1, keepdims=True)
+    sums[empty] = 0.0
     with np.errstate(divide='ignore'):
-        return np.log(np.exp(x - row_max).sum(axis=1)) + row_max[:, 0]
+        return (np.log(sums) + top)[..., 0]
 
 
 def _log_expm1(x: np.ndarray) -> np.ndarray:
@@ -90,30 +105,87 @@ def _log_expm1(x: np.ndarray) -> np.ndarray:
                         x + np.log1p(-np.exp(-np.maximum(x, 1.0))))
 
 
-def _log_mean_exp(log_weights: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """log(sum_l w_l exp(x_l)) per row of `log_weights`, for pmf rows, x >= 0.
+def _log_binomial_terms(rows: np.ndarray, width: int, rate: float,
+                        log_f: np.ndarray) -> np.ndarray:
+    """log[C(v,l) (1-rate)^(v-l) rate^l f_l] - log v! - v log(1-rate).
 
-    As the rows sum to 1, this is log1p(sum_l w_l expm1(x_l)) (every term
-    >= 0), evaluated as logaddexp(0, logsumexp(log w + log expm1(x))). A plain
-    logsumexp computes 1 + S and loses S when S is far below 1 (huge d0, tiny
-    q1 or q2): |error| ~ 1e-16 absolute, then multiplied by n = floor(d0).
-    In log space, S keeps full relative precision and large x cannot overflow.
+    Shape (k, len(rows), width) for log_f of shape (k, >= width), v in
+    `rows`, l < width; -inf where l > v. 0 < rate < 1. With
+    C(v,l) = v!/(l!(v-l)!) the log term is a row constant (left out), a
+    column vector log f_l - log l! + l log(rate/(1-rate)) and the Toeplitz
+    table -log (v-l)!: one addition per entry.
     """
-    return np.logaddexp(0.0, _row_logsumexp(log_weights
-                                            + _log_expm1(x)[None, :]))
+    log_factorials = _log_factorials(log_f.shape[-1] - 1)
+    l = np.arange(width, dtype=np.float64)
+    columns = (log_f[:, :width] - log_factorials[:width]
+               + l * (math.log(rate) - math.log1p(-rate)))
+    toeplitz = _negative_log_factorial_toeplitz(log_f.shape[-1] - 1)
+    return toeplitz[rows, :width][None, :, :] + columns[:, None, :]
+
+
+def _reduce_binomial_rows(rows: np.ndarray, rate: float, log_f: np.ndarray,
+                          reduce: Callable[[np.ndarray, int], np.ndarray]
+                          ) -> np.ndarray:
+    """reduce(_log_binomial_terms(...), width) piece by piece: (k, len(rows)).
+
+    `rows` is increasing; each piece of rows is taken up to its own largest
+    v, so the cost is ~ k * sum over rows of (v+1), not k * len(rows) * (n+1).
+    """
+    result = np.empty((log_f.shape[0], rows.size))
+    for first in range(0, rows.size, _ROW_BLOCK):
+        block = rows[first:first + _ROW_BLOCK]
+        width = int(block[-1]) + 1
+        for k in range(0, log_f.shape[0], _EXPONENT_BLOCK):
+            result[k:k + _EXPONENT_BLOCK, first:first + block.size] = reduce(
+                _log_binomial_terms(block, width, rate,
+                                    log_f[k:k + _EXPONENT_BLOCK]), width)
+    return result
+
+
+def _log_binomial_mean_expm1(rows: np.ndarray, rate: float,
+                             h: np.ndarray) -> np.ndarray:
+    """log sum_{l=0..v} C(v,l) (1-rate)^(v-l) rate^l expm1(h_l), v in `rows`.
+
+    `rows` is increasing, 0 < rate < 1; h >= 0 has shape (k, n+1) with
+    n >= rows[-1]; the result has shape (k, len(rows)).
+    """
+    result = _reduce_binomial_rows(rows, rate, _log_expm1(h),
+                                   lambda terms, _: _logsumexp_last_axis(terms))
+    return (result + _log_factorials(h.shape[-1] - 1)[rows]
+            + rows * math.log1p(-rate))
+
+
+def _log_binomial_mean_exp(rows: np.ndarray, rate: float,
+                           h: np.ndarray) -> np.ndarray:
+    """log E_{l ~ Binomial(v, rate)} exp(h_l) for v in `rows`; h >= 0 of
+    shape (k, n+1), result (k, len(rows)).
+
+    As the pmf sums to 1, this is log1p(sum_l pmf_l expm1(h_l)) (every term
+    >= 0), evaluated as logaddexp(0, log of that sum). A plain logsumexp
+    computes 1 + S and loses S when S is far below 1 (huge d0, tiny q1 or
+    q2): |error| ~ 1e-16 absolute, then multiplied by n = floor(d0). In log
+    space, S keeps full relative precision and large h cannot overflow.
+    rate = 1 is the point mass at l = v.
+    """
+    if rate == 1.0:
+        return h[:, rows].astype(np.float64)
+    return np.logaddexp(0.0, _log_binomial_mean_expm1(rows, rate, h))
 
 
 def _log_coordinate_moments(max_order: int, rate: float,
-                            a: float) -> np.ndarray:
-    """log M(v, a) for v = 0..max_order, coordinate sampling rate `rate`."""
+                            exponents: np.ndarray) -> np.ndarray:
+    """log M(v, a) for v = 0..max_order (columns) and a in `exponents` > 0
+    (rows), coordinate sampling rate `rate`.
+
+    M(v, a) = E_{l ~ Binomial(v, rate)} exp(l(l-1) a); at rate = 1 it is
+    the Gaussian's exp(v(v-1)a).
+    """
     v = np.arange(max_order + 1, dtype=np.float64)
-    if a == 0.0:
-        return np.zeros(max_order + 1)
-    if rate == 1.0:  # No coordinate sampling: the Gaussian's exp(v(v-1)a).
-        return v * (v - 1.0) * a
-    # M(v, a) = E_{l ~ Binomial(v, rate)} exp(l(l-1) a).
-    return _log_mean_exp(_log_binomial_weights(max_order, rate),
-                         v * (v - 1.0) * a)
+    pairs = v * (v - 1.0)
+    if rate == 1.0:
+        return exponents[:, None] * pairs
+    return _log_binomial_mean_exp(np.arange(max_order + 1), rate,
+                                  exponents[:, None] * pairs)
 
 
 def check_orders(orders: Union[float, Sequence[float]]) -> np.ndarray:
@@ -134,20 +206,39 @@ def log_moments_of_coordinate_sampling(
         blocks: blocks_lib.Blocks) -> np.ndarray:
     """L(v) = (v-1) eps0(v) for v = 0..max_order ([COORD], all blocks).
 
-    L(0) = L(1) = 0: M(0, a) = M(1, a) = 1.
+    L(0) = L(1) = 0: M(0, a) = M(1, a) = 1. All blocks' exponents are
+    evaluated in one batch.
     """
-    total = np.zeros(max_order + 1)
-    for j in range(blocks.size):
-        n, c_last = blocks.worst_case_coordinates(j)
-        sigma = blocks.noise_multipliers[j] * blocks.l2_norm_clips[j]
-        a_inf = blocks.linf_norm_clips[j] ** 2 / (2.0 * sigma * sigma)
-        # float(n): n = floor(d0) may exceed int64 (d0 ~ 1e19 and above).
-        total += float(n) * _log_coordinate_moments(
-            max_order, coordinate_sampling_rate, a_inf)
-        total += _log_coordinate_moments(
-            max_order, coordinate_sampling_rate,
-            c_last ** 2 / (2.0 * sigma * sigma))
-    return total
+    _, counts, exponents = _all_coordinate_exponents(blocks)
+    return counts @ _log_coordinate_moments(
+        max_order, coordinate_sampling_rate, exponents)
+
+
+def _all_coordinate_exponents(
+        blocks: blocks_lib.Blocks
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(block index, count, exponent a > 0) of every block's worst-case
+    coordinates; a coordinate with a = 0 has log M(v, 0) = 0 and is left
+    out."""
+    triples = [(j, count, a) for j in range(blocks.size)
+               for count, a in _coordinate_exponents(blocks, j) if a > 0.0]
+    return (np.array([j for j, _, _ in triples], dtype=np.int64),
+            np.array([count for _, count, _ in triples], dtype=np.float64),
+            np.array([a for _, _, a in triples], dtype=np.float64))
+
+
+def _coordinate_exponents(blocks: blocks_lib.Blocks,
+                          j: int) -> Tuple[Tuple[float, float], ...]:
+    """Block j's worst case as (count, a = s^2 / (2 sigma_j^2)) pairs.
+
+    n coordinates at s = c_inf_j and one at s = c'_j (remark after [COORD]);
+    the count is a float: n = floor(d0) may exceed int64 (d0 ~ 1e19).
+    """
+    n, c_last = blocks.worst_case_coordinates(j)
+    sigma = blocks.noise_multipliers[j] * blocks.l2_norm_clips[j]
+    two_variances = 2.0 * sigma * sigma
+    return ((float(n), blocks.linf_norm_clips[j] ** 2 / two_variances),
+            (1.0, c_last ** 2 / two_variances))
 
 
 def rdp_of_blocks(orders: np.ndarray, example_sampling_rate: float,
@@ -160,12 +251,17 @@ def rdp_of_blocks(orders: np.ndarray, example_sampling_rate: float,
 
     log_moments = log_moments_of_coordinate_sampling(
         max_order, coordinate_sampling_rate, blocks)
-    # Rows alpha of the Binomial(alpha, q1) pmf, columns v = 0..max_order;
-    # L(v) >= 0 (M(v, a) >= 1), and the sum is 1 + O(q1^2) for tiny q1.
-    log_weights = _log_binomial_weights(max_order, example_sampling_rate)
-    log_sums = _log_mean_exp(log_weights[unique_orders], log_moments)
-    rdp = log_sums / (unique_orders - 1.0)
-    return rdp[positions]
+    return _twice_sampling_rdp_of_moments(
+        unique_orders, example_sampling_rate, log_moments)[positions]
+
+
+def _twice_sampling_rdp_of_moments(orders: np.ndarray, q1: float,
+                                   log_moments: np.ndarray) -> np.ndarray:
+    """eps(alpha) of [TWICE] at increasing integer `orders` from L(v)."""
+    # Row alpha: E_{v ~ Binomial(alpha, q1)} exp(L(v)), L(v) >= 0
+    # (M(v, a) >= 1); the mean is 1 + O(q1^2) for tiny q1.
+    log_sums = _log_binomial_mean_exp(orders, q1, log_moments[None, :])[0]
+    return log_sums / (orders - 1.0)
 
 
 def twice_sampling_rdp(
@@ -217,3 +313,65 @@ def gaussian_rdp_upper_envelope(orders: np.ndarray,
     """alpha * sum_j c2_j^2/(2 sigma_j^2): the RDP with q1 = q2 = 1."""
     return orders * 0.5 / blocks.effective_noise_multiplier() ** 2
 
+
+
+def _log_coordinate_moment_slopes(max_order: int, rate: float,
+                                  exponents: np.ndarray) -> np.ndarray:
+    """d log M(v, a) / da for v = 0..max_order (columns), a in `exponents`.
+
+    M(v, a) = sum_l pmf_l exp(l(l-1) a), so the derivative is the mean of
+    l(l-1) under the tilted pmf proportional to pmf_l exp(l(l-1) a)
+    (a softmax over l, stable for any a). At rate = 1 it is v(v-1).
+    """
+    l = np.arange(max_order + 1, dtype=np.float64)
+    pairs = l * (l - 1.0)
+    if rate == 1.0:
+        return np.broadcast_to(pairs, (exponents.size, max_order + 1))
+
+    def tilted_mean_of_pairs(terms: np.ndarray, width: int) -> np.ndarray:
+        terms -= terms.max(axis=-1, keepdims=True)
+        np.maximum(terms, _FLOOR, out=terms)  # Fast exp; ~1e-300 relative.
+        np.exp(terms, out=terms)
+        return (terms @ pairs[:width]) / terms.sum(axis=-1)
+
+    return _reduce_binomial_rows(np.arange(max_order + 1), rate,
+                                 exponents[:, None] * pairs,
+                                 tilted_mean_of_pairs)
+
+
+def rdp_and_noise_gradient(order: int, example_sampling_rate: float,
+                           coordinate_sampling_rate: float,
+                           blocks: blocks_lib.Blocks
+                           ) -> Tuple[float, np.ndarray]:
+    """eps(alpha) at one integer order and d eps(alpha) / d log z_j.
+
+    From the formulas in the module docstring, with a = s^2 / (2 z_j^2 c2_j^2)
+    (so da / d log z_j = -2a) and pi the tilted Binomial(alpha, q1) pmf
+    pi_v proportional to C(alpha,v) (1-q1)^(alpha-v) q1^v exp(L(v)):
+        d eps(alpha) / d log z_j = (1/(alpha-1)) sum_v pi_v dL(v)/d log z_j,
+        dL(v) / d log z_j = -2 [n_j a_j D(v, a_j) + a'_j D(v, a'_j)],
+    where D(v, a) = d log M(v, a) / da (`_log_coordinate_moment_slopes`).
+    The value is `rdp_of_blocks` at this order.
+    """
+    log_moments = log_moments_of_coordinate_sampling(
+        order, coordinate_sampling_rate, blocks)
+    value = float(_twice_sampling_rdp_of_moments(
+        np.array([order]), example_sampling_rate, log_moments)[0])
+    # dL(v) / d log z_j, one column per block: -2 count a D(v, a) summed
+    # over the block's coordinates.
+    block_of, counts, exponents = _all_coordinate_exponents(blocks)
+    weighted = (-2.0 * counts * exponents)[:, None] * (
+        _log_coordinate_moment_slopes(order, coordinate_sampling_rate,
+                                      exponents))
+    slopes = np.zeros((blocks.size, order + 1))
+    np.add.at(slopes, block_of, weighted)
+    if example_sampling_rate == 1.0:
+        tilted = np.zeros(order + 1)
+        tilted[order] = 1.0
+    else:
+        tilted = _log_binomial_terms(np.array([order]), order + 1,
+                                     example_sampling_rate,
+                                     log_moments[None, :])[0, 0]
+        tilted = np.exp(tilted - tilted.max())
+        tilted /= tilted.sum()
+    return value, (slopes @ tilted) / (order - 1.0)

@@ -80,7 +80,7 @@ def compute_twice_sampling_privacy(
     (scalars or one per hybrid block).
     """
     n, q1, epochs, steps = _check_dataset(n, batch_size, epochs)
-    return calibration.epsilon_after_steps(
+    return calibration.epsilon_and_optimal_order_after_steps(
         steps=steps, delta=delta, example_sampling_rate=q1,
         coordinate_sampling_rate=coordinate_sampling_rate,
         noise_multiplier=noise_multiplier, l2_norm_clip=l2_norm_clip,
