@@ -46,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
 from tf_twice import models  # noqa: E402
-from tf_twice.keras import make_private  # noqa: E402
+from tf_twice.config import Block, TwiceSamplingConfig  # noqa: E402
+from tf_twice.keras import DPModel  # noqa: E402
 from tf_twice.mechanism import basis as basis_lib  # noqa: E402
 
 IMAGE_SHAPE = (32, 32, 3)
@@ -78,17 +79,22 @@ def private_model(model: tf.keras.Model, batch: int,
     """DPModel with q2 = 0.5 and l-infinity clipping; per-block with a
     basis (the values do not change the cost)."""
     if basis is None:
-        dp = dict(l2_norm_clip=L2_CLIP, linf_norm_clip=LINF_CLIP,
-                  noise_multiplier=NOISE)
+        blocks = (Block(l2_norm_clip=L2_CLIP, linf_norm_clip=LINF_CLIP,
+                        noise_multiplier=NOISE),)
     else:
         m = basis.num_blocks
         clips = [L2_CLIP / np.sqrt(m)] * m
-        dp = dict(l2_norm_clip=clips,
-                  linf_norm_clip=basis_lib.linf_clips_from_d0(clips, 16.0),
-                  noise_multiplier=[NOISE] * m)
-    private = make_private(model, basis=basis, expected_batch_size=batch,
-                           physical_batch_size=batch,
-                           coordinate_sampling_rate=Q2, seed=0, **dp)
+        blocks = tuple(
+            Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
+                  noise_multiplier=NOISE)
+            for c2, c_inf in zip(
+                clips, basis_lib.linf_clips_from_d0(clips, 16.0)))
+    # n only sets q1: nothing is accounted here.
+    config = TwiceSamplingConfig(num_examples=max(60_000, batch),
+                                 expected_batch_size=batch,
+                                 coordinate_sampling_rate=Q2, blocks=blocks)
+    private = DPModel(model, config, basis=basis, physical_batch_size=batch,
+                      seed=0)
     private.compile(optimizer=tf.keras.optimizers.SGD(0.01), loss=_loss())
     return private
 

@@ -6,10 +6,10 @@ CPU. Prints examples/second for
 
   * non-private Keras ``fit``;
   * tf_privacy's ``VectorizedDPKerasSGDOptimizer`` (O(B^2) Jacobian);
-  * ``make_private`` (per-example vectorized_map) with q2 = 1;
-  * the optimizer path: ``make_private`` compiled with
+  * ``DPModel`` with its config (per-example vectorized_map), q2 = 1;
+  * the optimizer path: a ``DPModel`` without a config compiled with
     ``TwiceSamplingDPKerasSGDOptimizer`` (the same per-example step), q2 = 1;
-  * ``make_private`` with q2 = 0.5 and l-infinity clipping;
+  * ``DPModel`` with q2 = 0.5 and l-infinity clipping;
 
 and the ratios behind the targets: fast path >= 30x tf_privacy vectorized and
 >= 1/8 of non-private fit; twice sampling costs <= 15% over q2 = 1; peak memory
@@ -44,7 +44,8 @@ from tensorflow_privacy.privacy.optimizers import (  # noqa: E402
     dp_optimizer_keras_vectorized as tfp_vectorized)
 
 from tf_twice import models  # noqa: E402
-from tf_twice.keras import make_private  # noqa: E402
+from tf_twice.config import TwiceSamplingConfig  # noqa: E402
+from tf_twice.keras import DPModel  # noqa: E402
 from tf_twice.optimizers import TwiceSamplingDPKerasSGDOptimizer  # noqa: E402
 
 IMAGE_SHAPE = (32, 32, 3)
@@ -55,6 +56,17 @@ L2_CLIP, LINF_CLIP, NOISE = 1.0, 0.1, 1.0
 def reference_model() -> tf.keras.Model:
     """The benchmarks' reference CNN (79,530 parameters on 32x32x3)."""
     return models.small_cnn(IMAGE_SHAPE, NUM_CLASSES)
+
+
+def _config(batch: int, twice: bool,
+            num_examples: int = 60_000) -> TwiceSamplingConfig:
+    """The benchmarked mechanism: q2 = 0.5 with an l-infinity clip, or
+    standard DP-SGD (q2 = 1). n only sets q1 (nothing is accounted here)."""
+    return TwiceSamplingConfig.single(
+        num_examples=max(num_examples, batch), expected_batch_size=batch,
+        l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
+        linf_norm_clip=LINF_CLIP if twice else None,
+        coordinate_sampling_rate=0.5 if twice else 1.0)
 
 
 def _loss(per_example: bool):
@@ -88,20 +100,16 @@ def build(name: str, batch: int) -> tf.keras.Model:
             loss=_loss(True))
         return model
     if name == 'optimizer path q2=1':
-        private = make_private(model, physical_batch_size=batch)
+        private = DPModel(model, physical_batch_size=batch)
         private.compile(
             optimizer=TwiceSamplingDPKerasSGDOptimizer(
-                l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
-                expected_batch_size=batch, learning_rate=0.05),
+                _config(batch, twice=False), learning_rate=0.05),
             loss=_loss(False))
         return private
     if name.startswith('fast path'):
         twice = 'q2=0.5' in name
-        private = make_private(
-            model, l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
-            expected_batch_size=batch, physical_batch_size=batch,
-            linf_norm_clip=LINF_CLIP if twice else None,
-            coordinate_sampling_rate=0.5 if twice else 1.0, seed=0)
+        private = DPModel(model, _config(batch, twice),
+                          physical_batch_size=batch, seed=0)
         private.compile(optimizer=tf.keras.optimizers.SGD(0.05),
                         loss=_loss(False))
         return private
@@ -161,10 +169,8 @@ def _rss_mb(field: str) -> float:
 def memory_child(logical: int, physical: int, steps: int) -> None:
     """Trains on random logical batches; prints baseline and peak RSS (MB)."""
     tf.keras.utils.set_random_seed(0)
-    private = make_private(
-        reference_model(), l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
-        expected_batch_size=logical, physical_batch_size=physical,
-        linf_norm_clip=LINF_CLIP, coordinate_sampling_rate=0.5, seed=0)
+    private = DPModel(reference_model(), _config(logical, twice=True),
+                      physical_batch_size=physical, seed=0)
     private.compile(optimizer=tf.keras.optimizers.SGD(0.05),
                     loss=_loss(False))
     dataset = tf.data.Dataset.range(steps).map(lambda _: (
