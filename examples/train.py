@@ -85,6 +85,7 @@ from absl import flags
 import numpy as np
 import tensorflow as tf
 
+import tf_twice
 from tf_twice import accounting
 from tf_twice import models
 from tf_twice import sampling
@@ -766,6 +767,24 @@ def _hybrid_setup(config: TrainConfig, plan: Plan, data: Data,
     return basis
 
 
+def _mechanism(plan: Plan) -> tf_twice.TwiceSamplingConfig:
+    """The plan's mechanism as the one config the library derives from."""
+
+    def per_block(value):
+        return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+    return tf_twice.TwiceSamplingConfig(
+        num_examples=plan.num_examples,
+        expected_batch_size=plan.expected_batch_size,
+        coordinate_sampling_rate=plan.coordinate_sampling_rate,
+        blocks=tuple(
+            tf_twice.Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
+                           noise_multiplier=z)
+            for c2, c_inf, z in zip(per_block(plan.l2_norm_clip),
+                                    per_block(plan.linf_norm_clip),
+                                    per_block(plan.noise_multiplier))))
+
+
 def build_run(config: Any, data: Optional[Data] = None) -> Run:
     """Builds the model, the input pipeline, the ledger and the callbacks.
 
@@ -809,6 +828,7 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
     ledger_path = None
     has_checkpoint = False
     if config.checkpoint_dir:
+        os.makedirs(config.checkpoint_dir, exist_ok=True)
         checkpoint_path = os.path.join(config.checkpoint_dir,
                                        CHECKPOINT_NAME)
         ledger_path = os.path.join(config.checkpoint_dir, LEDGER_FILENAME)
@@ -825,15 +845,9 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
                               None if previous is None
                               else previous.get('hybrid'))
     if private:
-        dp_kwargs = {} if basis is None else dict(basis=basis)
-        model = DPModel(
-            inner, l2_norm_clip=plan.l2_norm_clip,
-            linf_norm_clip=plan.linf_norm_clip,
-            noise_multiplier=plan.noise_multiplier,
-            expected_batch_size=plan.expected_batch_size,
-            coordinate_sampling_rate=plan.coordinate_sampling_rate,
-            physical_batch_size=config.physical_batch_size,
-            seed=config.seed, **dp_kwargs)
+        model = DPModel(inner, _mechanism(plan),
+                        physical_batch_size=config.physical_batch_size,
+                        seed=config.seed, basis=basis)
     else:
         model = inner
     model.compile(optimizer=_optimizer(config), loss=_loss(),
@@ -842,8 +856,8 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
     ledger = None
     if private:
         ledger = PrivacyLedger.for_model(
-            model, num_examples=n, delta=plan.delta,
-            target_epsilon=plan.target_epsilon, state_path=ledger_path,
+            model, delta=plan.delta, target_epsilon=plan.target_epsilon,
+            max_steps=plan.planned_steps, state_path=ledger_path,
             log_dir=config.tensorboard_dir, verbose=config.verbose)
     restored = None
     if has_checkpoint:
@@ -905,7 +919,8 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
         callbacks.append(ledger)  # First, so later callbacks log epsilon.
     if basis_refresh is not None:
         callbacks.append(basis_refresh)
-    if remaining % per_iteration:
+    if ledger is None and remaining % per_iteration:
+        # A private run stops at the ledger's max_steps.
         callbacks.append(_StopAfterSteps(remaining))
     if config.tensorboard_dir:
         callbacks.append(tf.keras.callbacks.TensorBoard(

@@ -191,8 +191,7 @@ def test_resuming_continues_the_ledger(digits, tmp_path):
     with open(ledger_file) as f:
         assert json.load(f)['steps'] == 5
     event = train_lib.build_run(dict(config, steps=5),
-                                data=digits).model.dp_event(
-                                    len(digits.x_train))
+                                data=digits).model.dp_event()
     expected = TwiceSamplingRdpAccountant().compose(event, 5).get_epsilon(
         second['delta'])
     assert second['epsilon'] == pytest.approx(expected, rel=1e-9)
