@@ -33,7 +33,7 @@ def test_steps_follow_tf_privacy():
     eps, _ = compute_twice_sampling_privacy(
         50000, 1000, 1.2, 2.5, 1e-5, 0.5, 1.0, 0.1)
     # ceil(2.5 * 50000 / 1000) = 125 steps at q1 = 0.02.
-    expected, _ = epsilon_after_steps(
+    expected = epsilon_after_steps(
         steps=125, delta=1e-5, example_sampling_rate=0.02,
         coordinate_sampling_rate=0.5, noise_multiplier=1.2,
         linf_norm_clip=0.1)
