@@ -60,6 +60,13 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
+# The q2 arithmetic and the block limit belong to the TF-free config; the
+# kernel uses the same definitions.
+from tf_twice.config import effective_coordinate_sampling_rate
+from tf_twice.config import mask_bits_per_coordinate
+from tf_twice.config import MASK_PRECISION_BITS
+from tf_twice.config import MAX_BLOCKS
+
 __all__ = [
     'MASK_PRECISION_BITS',
     'MAX_BLOCKS',
@@ -76,38 +83,14 @@ __all__ = [
     'validate_params',
 ]
 
-# A mask entry compares a uniform integer of b <= 16 random bits with
-# rate * 2**b, so the keep probability is exactly the dyadic rate
-# floor(q2 * 2**16) / 2**16. Random-bit generation dominates the cost of
-# masking, hence as few bits as the rate allows (``mask_bits_per_coordinate``).
-MASK_PRECISION_BITS = 16
-_MASK_LEVELS = 2**MASK_PRECISION_BITS
 _PHILOX_ALG = 1  # tf.random.Algorithm.PHILOX
 # The high 64 bits of the Philox counter select a stream: masks of tensor v of
 # block j use stream j * _BLOCK_STREAMS + v, its noise stream
 # j * _BLOCK_STREAMS + _NOISE_STREAM + v (block 0: the single-block layout).
 _NOISE_STREAM = 2**32
 _BLOCK_STREAMS = 2**40
-# Stream numbers must fit the signed 64-bit high word of the counter.
-MAX_BLOCKS = 2**22
 
 TensorLike = Union[tf.Tensor, int, float]
-
-
-def effective_coordinate_sampling_rate(
-        coordinate_sampling_rate: float) -> float:
-    """The keep probability the masks realise: floor(q2 * 2**16) / 2**16.
-
-    It equals q2 for dyadic rates such as 1/2 or 1/4 and is below q2 by less
-    than 2**-16 otherwise. The twice-sampling RDP bound is non-decreasing in q2
-    (the number of kept coordinates is stochastically increasing in q2), so
-    accounting at the nominal q2 covers the realised rate; the update is
-    normalised by the realised rate, so it stays unbiased.
-    """
-    q2 = float(coordinate_sampling_rate)
-    if q2 >= 1.0:
-        return 1.0
-    return math.floor(q2 * _MASK_LEVELS) / _MASK_LEVELS
 
 
 def validate_params(
@@ -320,18 +303,6 @@ def _counter(low: tf.Tensor, stream: int) -> tf.Tensor:
 
 def _num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(int(s) for s in shape))
-
-
-def mask_bits_per_coordinate(coordinate_sampling_rate: float) -> int:
-    """Random bits one mask entry uses: the least b in (1, 2, 4, 8, 16) with
-    q2 * 2**b an integer, else 16. Dyadic rates such as 1/2 (b = 1) need far
-    fewer random bits, and generating them dominates the cost of masking."""
-    levels = effective_coordinate_sampling_rate(
-        coordinate_sampling_rate) * _MASK_LEVELS
-    for bits in (1, 2, 4, 8):
-        if (levels / 2**(MASK_PRECISION_BITS - bits)).is_integer():
-            return bits
-    return MASK_PRECISION_BITS
 
 
 def _mask_stream(block: int, v: int) -> int:
