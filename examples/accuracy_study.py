@@ -22,6 +22,9 @@ range over the seeds, the noise multiplier(s) and the epsilon the privacy
 ledger reports.
 
 Run: python examples/accuracy_study.py
+
+The console is kept as quiet as examples/train.py keeps it (TensorFlow's C++
+log and a few known notes hidden; set TF_CPP_MIN_LOG_LEVEL to see the log).
 """
 
 from __future__ import annotations
@@ -152,6 +155,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    train_lib.quiet_known_noise()
     f = flags.FLAGS
     try:
         seeds = [int(s) for s in f.seeds]

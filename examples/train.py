@@ -57,16 +57,32 @@ split, or a checkpoint without its ledger, is refused.
 
 Data: `--dataset=digits` (default) is scikit-learn's 8x8 digits, shipped with
 scikit-learn (no download): 1,797 images scaled to [0, 1], a fixed split of
-360 test images, the rest for training. `cifar10`, `svhn_cropped` and
-`mnist` are loaded with tensorflow-datasets (`--data_dir`) and scaled to
-[0, 1]. `--public_examples` examples of the training split (a fixed random
-subset) are held out as public data and excluded from the private set.
+360 test images, the rest for training. `fashion_mnist` reads the idx files
+of Debian's `dataset-fashion-mnist` package (`apt-get install
+dataset-fashion-mnist`; another directory with `--data_dir`): 60,000
+training and 10,000 test images. `npz` reads any image dataset saved with
+`numpy.savez` as x_train, y_train, x_test, y_test (`--data_path`).
+`cifar10`, `svhn_cropped` and `mnist` are read with tensorflow-datasets from
+a copy prepared beforehand (`--data_dir`; nothing is downloaded, the error
+says how to prepare one). Integer images are scaled to [0, 1] by the
+constant 255 and a missing channel axis is added: preprocessing must not
+depend on the private data. `--public_examples` examples of the training
+split (a fixed random subset) are held out as public data and excluded from
+the private set.
+
+Console: TensorFlow's C++ log is hidden unless TF_CPP_MIN_LOG_LEVEL is set,
+and a few known TensorFlow/Keras notes (KNOWN_NOISE) are dropped; every
+other warning, the privacy ledger's included, is shown.
 
 Run (the default: twice sampling on digits at epsilon 4):
 
   python examples/train.py
   python examples/train.py --mode=dpsgd --target_epsilon=2 --epochs=20
   python examples/train.py --mode=hybrid --ranks=16 --public_examples=200
+  python examples/train.py --dataset=fashion_mnist --model=tanh_cnn \
+      --batch_size=2048 --steps=600 --learning_rate=4 --momentum=0.9 \
+      --l2_norm_clip=0.1 --target_epsilon=3
+  python examples/train.py --dataset=npz --data_path=my_images.npz
   python examples/train.py --dataset=cifar10 --batch_size=500 \
       --coordinate_sampling_rate=0.5 --d0=100 --model=resnet22 --steps=2500
 """
@@ -75,6 +91,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import time
@@ -83,10 +100,17 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from absl import app
 from absl import flags
 import numpy as np
-import tensorflow as tf
+
+# TensorFlow's C++ start-up log (CUDA plug-in registration, CPU features,
+# TensorRT, XLA stream notes) tells a user of this script nothing. The level
+# must be set before TensorFlow is imported; a level the user has set is kept
+# (TF_CPP_MIN_LOG_LEVEL=0 shows everything, e.g. to diagnose a GPU set-up).
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import tf_twice
 from tf_twice import accounting
+from tf_twice import datasets
 from tf_twice import models
 from tf_twice import sampling
 from tf_twice.keras import DPModel
@@ -96,7 +120,8 @@ from tf_twice.mechanism import hybrid
 
 MODES = ('nonprivate', 'dpsgd', 'twice', 'hybrid')
 PRIVATE_MODES = ('dpsgd', 'twice', 'hybrid')
-DATASETS = ('digits', 'cifar10', 'svhn_cropped', 'mnist')
+DATASETS = ('digits', 'fashion_mnist', 'npz', 'cifar10', 'svhn_cropped',
+            'mnist')
 OPTIMIZERS = ('sgd', 'adam')
 # Held-out test images of the digits split, and the seed of every fixed
 # split (independent of --seed, so runs with different seeds see the same
@@ -115,7 +140,16 @@ LEDGER_FILENAME = 'privacy_ledger.json'
 CHECKPOINT_NAME = 'ckpt'
 RUN_FILENAME = 'run.json'
 # Flags that must not change when a run is resumed from --checkpoint_dir.
-_RESUME_KEYS = ('mode', 'dataset', 'model', 'public_examples')
+_RESUME_KEYS = ('mode', 'dataset', 'data_path', 'model', 'public_examples')
+# Log messages of TensorFlow and Keras that say nothing to a user of this
+# script: vectorized_map's note that one gradient op falls back to a loop
+# (it still gives per-example gradients), and Keras' timing note that the
+# script's own callbacks (the ledger charges every step on the host) take
+# longer than a small batch. Every other message is kept.
+KNOWN_NOISE = (
+    'uses a while_loop. Fix that!',
+    'is slow compared to the batch time',
+)
 
 
 @dataclasses.dataclass
@@ -128,6 +162,7 @@ class TrainConfig:
     mode: str = 'twice'
     dataset: str = 'digits'
     data_dir: Optional[str] = None
+    data_path: Optional[str] = None
     model: str = 'small_cnn'
     target_epsilon: Optional[float] = None
     noise_multiplier: Optional[float] = None
@@ -307,6 +342,10 @@ def check_config(config: Any) -> TrainConfig:
     config = TrainConfig.from_object(config)
     _choice('mode', config.mode, MODES)
     _choice('dataset', config.dataset, DATASETS)
+    if (config.dataset == 'npz') != (config.data_path is not None):
+        raise _flag_error('data_path', 'the .npz file to read for '
+                          '--dataset=npz, and unset for other datasets',
+                          config.data_path)
     _choice('model', config.model, tuple(sorted(models.MODELS)))
     _choice('optimizer', config.optimizer, OPTIMIZERS)
     private = config.mode in PRIVATE_MODES
@@ -431,35 +470,126 @@ def _load_digits() -> Tuple[Tuple[np.ndarray, np.ndarray],
     return (x[train], y[train]), (x[test], y[test]), 10
 
 
+def _image_batch(x: np.ndarray, source: str) -> np.ndarray:
+    """[N, H, W] or [N, H, W, C] images; a missing channel axis is added.
+
+    Integer images must hold 0-255 and are kept as uint8 (`to_unit_float`
+    divides by the constant 255 where they are used); float images are used
+    as stored, so they must already be scaled by data-independent constants.
+    """
+    if x.ndim == 3:
+        x = x[..., None]
+    if x.ndim != 4:
+        raise ValueError(f'{source}: images must have shape [N, height, '
+                         f'width] or [N, height, width, channels]; got '
+                         f'{x.shape}.')
+    if np.issubdtype(x.dtype, np.integer):
+        if x.size and (x.min() < 0 or x.max() > 255):
+            raise ValueError(f'{source}: integer images must hold values '
+                             '0-255 (they are divided by 255).')
+        return x.astype(np.uint8)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f'{source}: images must be integer (0-255) or '
+                         f'float; got {x.dtype.name}.')
+    return x.astype(np.float32)
+
+
+def _load_fashion_mnist(data_dir: Optional[str]):
+    (x, y), (x_test, y_test) = datasets.load_fashion_mnist(data_dir)
+    return ((x[..., None], y), (x_test[..., None], y_test),
+            datasets.FASHION_MNIST_CLASSES)
+
+
+def _load_npz(path: str):
+    (x, y), (x_test, y_test) = datasets.load_npz(path)
+    x, x_test = _image_batch(x, path), _image_batch(x_test, path)
+    # Classes: the largest label + 1. It sets the model's output size and
+    # is taken as part of the task's definition, not as private data.
+    num_classes = max(2, int(max(y.max(initial=0), y_test.max(initial=0))) + 1)
+    return (x, y), (x_test, y_test), num_classes
+
+
+class DataUnavailableError(ValueError):
+    """The dataset is not on this machine; the message says how to get it."""
+
+
+def _tfds_offline_help(name: str) -> str:
+    return (
+        f'This script never downloads: prepare {name} beforehand and pass '
+        'its directory with --data_dir=DIR. Either run\n'
+        '  python -c "import tensorflow_datasets as tfds; '
+        f"tfds.builder('{name}', data_dir='DIR').download_and_prepare()\"\n"
+        'on a machine with network access and copy DIR here, or copy the '
+        'source files listed in tensorflow_datasets/url_checksums/'
+        f'{name}.txt (same names and checksums) into DIR/downloads/manual/ '
+        'and run the same command here (tensorflow-datasets then reads them '
+        'instead of downloading; tensorflow-datasets 4.9.9 needs the '
+        'importlib_resources package to prepare). Or save the dataset as an .npz with arrays x_train, '
+        'y_train, x_test, y_test and run with --dataset=npz '
+        '--data_path=FILE.')
+
+
 def _load_tfds(name: str, data_dir: Optional[str]):
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-    (train, test), info = tfds.load(name, split=['train', 'test'],
-                                    as_supervised=True, with_info=True,
-                                    data_dir=data_dir)
+    try:
+        import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+        raise DataUnavailableError(
+            f'--dataset={name} needs tensorflow-datasets, which does not '
+            f'import: {e}.\n{_tfds_offline_help(name)}') from e
+    try:
+        # download=False: without network a download only ends in a
+        # connection error after retries; a missing copy fails at once.
+        (train, test), info = tfds.load(name, split=['train', 'test'],
+                                        as_supervised=True, with_info=True,
+                                        data_dir=data_dir, download=False)
+    except (AssertionError, OSError, ImportError) as e:
+        raise DataUnavailableError(
+            f'--dataset={name}: no prepared copy was found ({e})\n'
+            f'{_tfds_offline_help(name)}') from e
     num_classes = int(info.features['label'].num_classes)
     return _tfds_arrays(train), _tfds_arrays(test), num_classes
 
 
 def load_data(dataset: str = 'digits', *, public_examples: int = 0,
-              data_dir: Optional[str] = None) -> Data:
+              data_dir: Optional[str] = None,
+              data_path: Optional[str] = None) -> Data:
     """Loads `dataset` and holds out `public_examples` training examples.
 
     Args:
       dataset: one of DATASETS. 'digits' comes with scikit-learn (float32 in
-        [0, 1]); the others are read with tensorflow-datasets
-        (`as_supervised=True`) and kept as uint8, scaled to [0, 1] by
-        `to_unit_float` where they are used.
+        [0, 1]). 'fashion_mnist' reads the idx files of Debian's
+        `dataset-fashion-mnist` package (or `data_dir`) with
+        `tf_twice.datasets`; 'npz' reads `data_path`
+        (`tf_twice.datasets.load_npz`); the others are read with
+        tensorflow-datasets (`as_supervised=True`) from a copy prepared
+        beforehand. Integer images are kept as uint8 and scaled to [0, 1] by
+        the constant 255 (`to_unit_float`) where they are used; a missing
+        channel axis is added.
       public_examples: training examples moved to the public split (a
         fixed random subset); they are not part of `x_train`.
-      data_dir: tensorflow-datasets data directory.
+      data_dir: the Fashion-MNIST directory, or the tensorflow-datasets data
+        directory.
+      data_path: the .npz file of `dataset='npz'`.
 
     Raises:
-      ValueError: an unknown dataset or `public_examples` out of range.
+      ValueError: an unknown dataset, `public_examples` out of range, or
+        data that cannot be read.
+      DataUnavailableError: (a ValueError) a tensorflow-datasets dataset
+        that is not prepared here; the message says how to prepare it.
+      FileNotFoundError: Fashion-MNIST or the .npz file is missing; the
+        message says how to get it.
     """
     _choice('dataset', dataset, DATASETS)
     public_examples = _integer('public_examples', public_examples, 0)
     if dataset == 'digits':
         (x, y), (x_test, y_test), num_classes = _load_digits()
+    elif dataset == 'fashion_mnist':
+        (x, y), (x_test, y_test), num_classes = _load_fashion_mnist(data_dir)
+    elif dataset == 'npz':
+        if data_path is None:
+            raise _flag_error('data_path', 'an .npz file for --dataset=npz',
+                              data_path)
+        (x, y), (x_test, y_test), num_classes = _load_npz(data_path)
     else:
         (x, y), (x_test, y_test), num_classes = _load_tfds(dataset, data_dir)
     if public_examples >= len(x):
@@ -816,7 +946,8 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
     if data is None:
         data = load_data(config.dataset,
                          public_examples=config.public_examples,
-                         data_dir=config.data_dir)
+                         data_dir=config.data_dir,
+                         data_path=config.data_path)
     n = len(data.x_train)
     plan = resolve_plan(config, n)
     if config.seed is not None:
@@ -1087,6 +1218,33 @@ def print_results(results: Mapping[str, Any]) -> None:
 # --- command line -------------------------------------------------------
 
 
+class _DropKnownNoise(logging.Filter):
+    """Drops log records whose message contains one of KNOWN_NOISE."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(noise in message for noise in KNOWN_NOISE)
+
+
+def quiet_known_noise() -> None:
+    """Drops TensorFlow's and Keras' KNOWN_NOISE messages (idempotent).
+
+    The filter sits on the 'tensorflow' logger, where those records are
+    made; other TensorFlow messages, tf_twice's own loggers (the ledger's
+    privacy warnings) and Python warnings are untouched.
+    """
+    logger = logging.getLogger('tensorflow')
+    if not any(isinstance(f, _DropKnownNoise) for f in logger.filters):
+        logger.addFilter(_DropKnownNoise())
+
+
+def device_summary() -> str:
+    """One line on where TensorFlow runs (its own device log is hidden)."""
+    gpus = tf.config.list_physical_devices('GPU')
+    where = f'{len(gpus)} GPU(s)' if gpus else 'CPU only, no GPU visible'
+    return f'TensorFlow {tf.__version__}: {where}.'
+
+
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Defines the command-line flags (one per `TrainConfig` field)."""
     defaults = TrainConfig()
@@ -1094,8 +1252,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_enum('mode', defaults.mode, MODES, 'What to train.', **fv)
     flags.DEFINE_enum('dataset', defaults.dataset, DATASETS, 'Dataset.',
                       **fv)
-    flags.DEFINE_string('data_dir', None, 'tensorflow-datasets directory.',
-                        **fv)
+    flags.DEFINE_string('data_dir', None, 'fashion_mnist: the directory of '
+                        'its idx files (default: TF_TWICE_FASHION_MNIST_DIR, '
+                        f'else {datasets.DEFAULT_FASHION_MNIST_DIR}); '
+                        'tensorflow-datasets: its data directory.', **fv)
+    flags.DEFINE_string('data_path', None, 'npz: the .npz file (arrays '
+                        'x_train, y_train, x_test, y_test).', **fv)
     flags.DEFINE_enum('model', defaults.model, sorted(models.MODELS),
                       'Model (tf_twice.models).', **fv)
     flags.DEFINE_float('target_epsilon', None,
@@ -1154,8 +1316,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    quiet_known_noise()
+    print(device_summary())
     try:
         results = train(flags.FLAGS)
+    except (DataUnavailableError, FileNotFoundError) as e:
+        # Not a usage error: the message alone, without the flags' help.
+        raise SystemExit(f'Error: {e}') from e
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     print_results(results)

@@ -2,21 +2,29 @@
 
 Every mode trains for a handful of steps on scikit-learn's digits (shipped
 with scikit-learn, nothing is downloaded); the tensorflow-datasets path runs
-on `tfds.testing.mock_data`. Private modes must report the ledger's epsilon
-and the privacy statement's epsilon for the same steps, and they must agree.
+on `tfds.testing.mock_data`, Fashion-MNIST on tiny idx files written here
+and the npz path on a tiny .npz. Private modes must report the ledger's
+epsilon and the privacy statement's epsilon for the same steps, and they
+must agree. One test runs the script as a command and checks that its
+console is free of TensorFlow's known start-up noise.
 """
 
+import gzip
 import importlib.util
 import json
+import logging
 import math
 import os
 import pathlib
+import struct
+import subprocess
 import sys
 
 from absl import flags
 import numpy as np
 import pytest
 
+from tf_twice import datasets
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 
 pytest.importorskip('sklearn.datasets')
@@ -142,6 +150,9 @@ def test_tfds_dataset_with_mock_data():
     (dict(mode='nonprivate', target_epsilon=1.0), '--target_epsilon'),
     (dict(mode='hybrid', ranks='4,0'), '--ranks'),
     (dict(physical_batch_size=0), '--physical_batch_size'),
+    (dict(dataset='npz'), '--data_path'),
+    (dict(dataset='digits', data_path='data.npz'), '--data_path'),
+    (dict(model='resnet50'), '--model'),
 ])
 def test_bad_flags_are_refused_by_name(overrides, flag):
     with pytest.raises(ValueError, match=flag):
@@ -284,3 +295,157 @@ def test_steps_that_end_mid_epoch(digits):
                                    steps=9, noise_multiplier=1.0),
                               data=digits)
     _check_private(results, 9)
+
+
+# --- local datasets: Fashion-MNIST idx files and npz ---------------------
+
+
+def _write_idx_gz(path, array: np.ndarray) -> None:
+    """uint8 `array` in the idx format (magic 0x0000 0x08 rank, dims)."""
+    header = bytes([0, 0, 0x08, array.ndim])
+    header += struct.pack(f'>{array.ndim}I', *array.shape)
+    with gzip.open(path, 'wb') as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def _tiny_fashion_mnist(directory, num_train=40, num_test=10):
+    rng = np.random.default_rng(0)
+    arrays = dict(
+        x_train=rng.integers(0, 256, (num_train, 28, 28), dtype=np.uint8),
+        y_train=np.arange(num_train) % 10,
+        x_test=rng.integers(0, 256, (num_test, 28, 28), dtype=np.uint8),
+        y_test=np.arange(num_test) % 10)
+    os.makedirs(directory, exist_ok=True)
+    for key, base in datasets.FASHION_MNIST_FILES.items():
+        _write_idx_gz(os.path.join(directory, base + '.gz'), arrays[key])
+    return str(directory)
+
+
+def test_fashion_mnist_trains_on_local_idx_files(tmp_path):
+    data_dir = _tiny_fashion_mnist(tmp_path / 'fmnist')
+    results = train_lib.train(dict(
+        FAST, mode='twice', dataset='fashion_mnist', data_dir=data_dir,
+        model='tanh_cnn', steps=2, batch_size=8, physical_batch_size=8,
+        public_examples=4, noise_multiplier=1.0))
+    assert results['num_examples'] == 36
+    assert results['num_public_examples'] == 4
+    assert results['num_test_examples'] == 10
+    assert results['model'] == 'tanh_cnn'
+    assert 0.0 <= results['test_accuracy'] <= 1.0
+    _check_private(results, 2)
+
+
+def test_fashion_mnist_data_is_uint8_with_a_channel_axis(tmp_path):
+    data = train_lib.load_data(
+        'fashion_mnist', data_dir=_tiny_fashion_mnist(tmp_path))
+    assert data.x_train.shape == (40, 28, 28, 1)
+    assert data.x_train.dtype == np.uint8  # Scaled by 1/255 where used.
+    assert data.num_classes == 10
+    unit = train_lib.to_unit_float(data.x_train)
+    np.testing.assert_allclose(unit, data.x_train / 255.0, rtol=1e-6)
+
+
+def test_missing_fashion_mnist_names_the_package(tmp_path):
+    with pytest.raises(FileNotFoundError) as raised:
+        train_lib.load_data('fashion_mnist', data_dir=str(tmp_path))
+    assert str(tmp_path) in str(raised.value)
+    assert 'apt-get install dataset-fashion-mnist' in str(raised.value)
+
+
+def test_npz_dataset_trains(tmp_path):
+    rng = np.random.default_rng(1)
+    path = str(tmp_path / 'images.npz')
+    np.savez(path, x_train=rng.integers(0, 256, (30, 12, 12), np.int64),
+             y_train=np.arange(30) % 3,
+             x_test=rng.integers(0, 256, (6, 12, 12), np.int64),
+             y_test=np.arange(6) % 3)
+    data = train_lib.load_data('npz', data_path=path)
+    assert data.x_train.shape == (30, 12, 12, 1)
+    assert data.x_train.dtype == np.uint8 and data.num_classes == 3
+    results = train_lib.train(dict(
+        FAST, mode='dpsgd', dataset='npz', data_path=path, steps=2,
+        batch_size=8, physical_batch_size=8, noise_multiplier=1.0))
+    assert results['num_examples'] == 30
+    _check_private(results, 2)
+
+
+def test_npz_images_must_be_0_to_255_or_float(tmp_path):
+    path = str(tmp_path / 'bad.npz')
+    np.savez(path, x_train=np.full((2, 4, 4, 1), 256), y_train=[0, 1],
+             x_test=np.zeros((1, 4, 4, 1)), y_test=[0])
+    with pytest.raises(ValueError, match='0-255'):
+        train_lib.load_data('npz', data_path=path)
+    np.savez(path, x_train=np.zeros((2, 4), np.uint8), y_train=[0, 1],
+             x_test=np.zeros((1, 4), np.uint8), y_test=[0])
+    with pytest.raises(ValueError, match=r'\[N, height, width\]'):
+        train_lib.load_data('npz', data_path=path)
+
+
+def test_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
+    pytest.importorskip('tensorflow_datasets')
+    with pytest.raises(train_lib.DataUnavailableError) as raised:
+        train_lib.load_data('cifar10', data_dir=str(tmp_path))
+    message = str(raised.value)
+    assert str(tmp_path) in message  # Where it looked.
+    assert 'never downloads' in message
+    assert "tfds.builder('cifar10', data_dir='DIR').download_and_prepare()" \
+        in message
+    assert 'downloads/manual' in message
+    assert '--dataset=npz --data_path=FILE' in message
+    assert not (tmp_path / 'downloads').exists()  # No download started.
+
+
+def test_data_flags_fill_the_config():
+    flag_values = flags.FlagValues()
+    train_lib.define_flags(flag_values)
+    flag_values(['train.py', '--dataset=npz', '--data_path=/d/x.npz',
+                 '--model=tanh_cnn'])
+    config = train_lib.check_config(flag_values)
+    assert (config.dataset, config.data_path) == ('npz', '/d/x.npz')
+    assert config.model == 'tanh_cnn'
+
+
+def _record(logger_name: str, message: str) -> logging.LogRecord:
+    return logging.getLogger(logger_name).makeRecord(
+        logger_name, logging.WARNING, __file__, 1, message, None, None)
+
+
+def test_known_noise_is_dropped_and_other_warnings_are_kept():
+    train_lib.quiet_known_noise()
+    train_lib.quiet_known_noise()  # Idempotent: one filter.
+    tf_logger = logging.getLogger('tensorflow')
+    drops = [f for f in tf_logger.filters
+             if type(f).__name__ == '_DropKnownNoise']
+    assert len(drops) == 1
+    noise = _record('tensorflow', 'Conv2DBackpropFilter uses a while_loop. '
+                    'Fix that!')
+    slow = _record('tensorflow', 'Callback method `on_train_batch_end` is '
+                   'slow compared to the batch time (batch time: 0.01s)')
+    other = _record('tensorflow', 'Gradients do not exist for variables')
+    assert not tf_logger.filter(noise) and not tf_logger.filter(slow)
+    assert tf_logger.filter(other)
+    # tf_twice's own warnings go through other loggers: never filtered.
+    ledger = logging.getLogger('tf_twice.keras.ledger')
+    assert ledger.filter(_record('tf_twice.keras.ledger', 'PrivacyLedger: '
+                                 'Fix that! uses a while_loop. Fix that!'))
+
+
+def test_command_line_run_on_fashion_mnist_is_quiet(tmp_path):
+    """The script end to end: flags, data, training, statement; no noise."""
+    data_dir = _tiny_fashion_mnist(tmp_path / 'fmnist', num_train=20,
+                                   num_test=4)
+    env = {k: v for k, v in os.environ.items()
+           if k != 'TF_CPP_MIN_LOG_LEVEL'}
+    out = subprocess.run(
+        [sys.executable, str(_SCRIPT), '--dataset=fashion_mnist',
+         f'--data_dir={data_dir}', '--model=tanh_cnn', '--steps=2',
+         '--batch_size=4', '--physical_batch_size=4',
+         '--noise_multiplier=1.0', '--verbose=0', '--seed=0'],
+        capture_output=True, text=True, env=env, timeout=300)
+    console = out.stdout + out.stderr
+    assert out.returncode == 0, console
+    assert 'Twice-sampled DP-SGD performed over 20 examples' in console
+    assert 'Test accuracy:' in console and 'Privacy ledger:' in console
+    for noise in ('Fix that!', 'Unable to register', 'cpu_feature_guard',
+                  'TensorRT', 'SetPriority'):
+        assert noise not in console

@@ -61,7 +61,8 @@ import tensorflow as tf
 
 from tf_twice import _validate
 from tf_twice import config as config_lib
-# The q2 arithmetic belongs to the config (TF-free); the kernel uses it.
+# The q2 arithmetic and the block limit belong to the TF-free config; the
+# kernel uses the same definitions.
 from tf_twice.config import effective_coordinate_sampling_rate
 from tf_twice.config import mask_bits_per_coordinate
 from tf_twice.config import MASK_PRECISION_BITS
