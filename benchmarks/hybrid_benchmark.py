@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 
 from tf_twice import models  # noqa: E402
 from tf_twice.config import Block, TwiceSamplingConfig  # noqa: E402
+from tf_twice.hybrid import budgets  # noqa: E402
 from tf_twice.keras import DPModel  # noqa: E402
 from tf_twice.mechanism import basis as basis_lib  # noqa: E402
 
@@ -88,7 +89,7 @@ def private_model(model: tf.keras.Model, batch: int,
             Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
                   noise_multiplier=NOISE)
             for c2, c_inf in zip(
-                clips, basis_lib.linf_clips_from_d0(clips, 16.0)))
+                clips, budgets.linf_clips_from_d0(clips, 16.0)))
     # n only sets q1: nothing is accounted here.
     config = TwiceSamplingConfig(num_examples=max(60_000, batch),
                                  expected_batch_size=batch,

@@ -113,10 +113,10 @@ from tf_twice import accounting
 from tf_twice import datasets
 from tf_twice import models
 from tf_twice import sampling
+from tf_twice.hybrid import budgets as hybrid_budgets
 from tf_twice.keras import DPModel
 from tf_twice.keras import PrivacyLedger
 from tf_twice.mechanism import basis as basis_lib
-from tf_twice.mechanism import hybrid
 
 MODES = ('nonprivate', 'dpsgd', 'twice', 'hybrid')
 PRIVATE_MODES = ('dpsgd', 'twice', 'hybrid')
@@ -841,20 +841,15 @@ def _hybrid_setup(config: TrainConfig, plan: Plan, data: Data,
                   recorded: Optional[Mapping[str, Any]]):
     """Learns the basis from the PUBLIC split; sets per-block clips/noise.
 
-    Budgets: the global l2 clip c is split as c2_j proportional to the mean
-    public projection norm of block j (`split_l2_budget`, sum c2_j^2 = c^2).
-    l-infinity: the residual (natural coordinates) gets `--linf_norm_clip`
-    (capped at its c2) or c2 / sqrt(`--d0`), as in twice mode; principal
-    block j gets c2_j / sqrt(min(`--principal_d0`, r_j)). The default
-    principal_d0 = 1 means no l-infinity clip there: the energy of a
-    principal block sits in its leading coefficients, which an l-infinity
-    clip would cut, and such a block is tiny, so the coordinate-sampling
-    amplification its clip would buy is worth little noise (the optimiser
-    accounts for it either way). Noise: the per-block z_j of
-    `hybrid_noise_multipliers` for the target epsilon after the planned
-    steps, or `--noise_multiplier` for every block. All of it comes from
-    public data and the flags, never from the private set. A resumed run
-    with the same settings reuses the recorded clips and noise.
+    The per-block clips and noise are `tf_twice.hybrid.plan_blocks` of the
+    flags' one-block mechanism: l2 budgets from the public projection norms;
+    the residual's l-infinity clip is `--linf_norm_clip` (capped at its c2)
+    or c2 / sqrt(`--d0`), principal block j's is c2_j / sqrt(min(
+    `--principal_d0`, r_j)); the noise is `--noise_multiplier` on every
+    block or optimised per block for the target epsilon after the planned
+    steps. All of it comes from public data and the flags, never from the
+    private set. A resumed run with the same settings reuses the recorded
+    clips and noise.
     """
     seed = 0 if config.seed is None else config.seed
     basis, grads = _learn_public_basis(config, plan, data, inner, seed)
@@ -867,33 +862,29 @@ def _hybrid_setup(config: TrainConfig, plan: Plan, data: Data,
         plan.linf_norm_clip = tuple(recorded['linf_norm_clip'])
         plan.noise_multiplier = tuple(recorded['noise_multiplier'])
         return basis
-    c = float(config.l2_norm_clip)
-    norms = basis_lib.public_block_norms(basis, grads, clip_norm=c)
-    # A block without public energy would get no budget; give it a sliver.
-    norms = np.maximum(norms, 1e-6 * float(np.max(norms)))
-    clips = basis_lib.split_l2_budget(c, norms)
-    principal_d0 = float(config.principal_d0)
-    d0s = [min(principal_d0, r) for r in plan.ranks]
-    if config.linf_norm_clip is not None:
-        d0s.append(max(1.0, (clips[-1] / float(config.linf_norm_clip))**2))
-    else:
-        d0s.append(plan.d0)
-    linf = basis_lib.linf_clips_from_d0(clips, d0s)
-    if config.noise_multiplier is not None:
-        noise = (float(config.noise_multiplier),) * basis.num_blocks
-    else:
-        try:
-            noise = hybrid.hybrid_noise_multipliers(
-                basis, clips, linf, target_epsilon=plan.target_epsilon,
-                delta=plan.delta, steps=plan.planned_steps,
-                example_sampling_rate=plan.example_sampling_rate,
-                coordinate_sampling_rate=plan.coordinate_sampling_rate)
-        except ValueError as e:
-            raise ValueError(f'--target_epsilon={plan.target_epsilon:g} '
-                             f'cannot be met: {e}') from e
-    plan.l2_norm_clip = tuple(float(v) for v in clips)
-    plan.linf_norm_clip = tuple(float(v) for v in linf)
-    plan.noise_multiplier = tuple(float(v) for v in noise)
+    one_block = tf_twice.TwiceSamplingConfig.single(
+        num_examples=plan.num_examples,
+        expected_batch_size=plan.expected_batch_size,
+        coordinate_sampling_rate=plan.coordinate_sampling_rate,
+        l2_norm_clip=float(config.l2_norm_clip),
+        linf_norm_clip=config.linf_norm_clip,
+        noise_multiplier=config.noise_multiplier)
+    budget = {} if config.noise_multiplier is not None else dict(
+        target_epsilon=plan.target_epsilon, delta=plan.delta,
+        steps=plan.planned_steps)
+    try:
+        planned = hybrid_budgets.plan_blocks(
+            one_block, basis, grads,
+            residual_d0=None if config.linf_norm_clip is not None else plan.d0,
+            principal_d0=float(config.principal_d0), **budget)
+    except ValueError as e:
+        if not budget:
+            raise
+        raise ValueError(f'--target_epsilon={plan.target_epsilon:g} '
+                         f'cannot be met: {e}') from e
+    plan.l2_norm_clip = planned.l2_norm_clips
+    plan.linf_norm_clip = planned.linf_norm_clips
+    plan.noise_multiplier = planned.noise_multipliers
     return basis
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_twice.hybrid import budgets
 from tf_twice.mechanism import basis as basis_lib
 
 SHAPES = [(4, 5), (30,), (10, 10), (5, 14)]  # d = 20 + 30 + 100 + 70 = 220
@@ -381,35 +382,12 @@ def test_public_block_norms_match_numpy(grouped_basis):
         everything = np.concatenate(dense, axis=1)
         left = x - (x @ everything) @ everything.T
         expected.append(np.mean(np.linalg.norm(left, axis=1)))
-        got = basis_lib.public_block_norms(basis, grads, clip_norm=clip,
+        got = budgets.public_block_norms(basis, grads, clip_norm=clip,
                                            chunk_size=7)
         np.testing.assert_allclose(got, expected, rtol=1e-5)
         np.testing.assert_allclose(
-            basis_lib.public_block_norms(basis, flat, clip_norm=clip), got,
+            budgets.public_block_norms(basis, flat, clip_norm=clip), got,
             rtol=1e-6)
-
-
-def test_split_l2_budget():
-    budgets = basis_lib.split_l2_budget(2.5, [3.0, 1.0, 2.0])
-    assert math.isclose(sum(b * b for b in budgets), 2.5**2)
-    np.testing.assert_allclose(np.array(budgets) / budgets[1], [3, 1, 2])
-    assert basis_lib.split_l2_budget(1.0, [4.0]) == (1.0,)
-    for bad in ([1.0, 0.0], [1.0, -1.0], [np.nan], []):
-        with pytest.raises(ValueError, match='public_projection_norms'):
-            basis_lib.split_l2_budget(1.0, bad)
-    with pytest.raises(ValueError, match='total_l2_clip'):
-        basis_lib.split_l2_budget(0.0, [1.0])
-
-
-def test_linf_clips_from_d0():
-    clips = basis_lib.linf_clips_from_d0([2.0, 1.0], 4.0)
-    assert clips == (1.0, 0.5)
-    np.testing.assert_allclose(
-        basis_lib.linf_clips_from_d0([2.0, 1.0], [16.0, 1.0]), [0.5, 1.0])
-    with pytest.raises(ValueError, match='d0'):
-        basis_lib.linf_clips_from_d0([1.0], 0.0)
-    with pytest.raises(ValueError, match='l2_norm_clips'):
-        basis_lib.linf_clips_from_d0([-1.0], 1.0)
 
 
 def _tiny_model(seed):

@@ -13,10 +13,10 @@ from tests import tiny_models
 from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
-from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import calibrate_noise_multiplier
 from tf_twice.accounting.statement import hybrid_noise_variance_ratio
 from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.hybrid import budgets
 from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import guards
 from tf_twice.mechanism import aggregation as agg
@@ -517,11 +517,14 @@ def test_public_basis_needs_less_noise_than_dp_sgd_at_equal_epsilon():
 
     public, private = gradients(200), gradients(500)
     basis = basis_lib.learn_basis(public, [rank])
-    clips = basis_lib.split_l2_budget(
-        c, basis_lib.public_block_norms(basis, public, clip_norm=c))
     budget = dict(target_epsilon=2.0, delta=1e-5, steps=1000,
                   example_sampling_rate=0.01, coordinate_sampling_rate=1.0)
-    z = hybrid.hybrid_noise_multipliers(basis, clips, **budget)
+    planned = budgets.plan_blocks(
+        TwiceSamplingConfig.single(num_examples=10_000,
+                                   expected_batch_size=100.0,
+                                   l2_norm_clip=c),
+        basis, public, target_epsilon=2.0, delta=1e-5, steps=1000)
+    clips, z = planned.l2_norm_clips, planned.noise_multipliers
     hybrid_var = sum(r * (zj * cj)**2 for r, zj, cj in
                      zip(basis.block_dimensions, z, clips))
     z_std = calibrate_noise_multiplier(l2_norm_clip=c, linf_norm_clip=None,
@@ -547,21 +550,6 @@ def test_public_basis_needs_less_noise_than_dp_sgd_at_equal_epsilon():
     cosine = mean_hybrid @ mean_plain / (np.linalg.norm(mean_hybrid)
                                          * np.linalg.norm(mean_plain))
     assert cosine > 0.95
-
-
-def test_hybrid_noise_multipliers_meet_the_budget():
-    basis = _basis()
-    budget = dict(target_epsilon=3.0, delta=1e-5, steps=200,
-                  example_sampling_rate=0.05, coordinate_sampling_rate=0.5)
-    z = hybrid.hybrid_noise_multipliers(basis, (0.5, 0.3, 0.2),
-                                        (0.2, None, 0.03), **budget)
-    assert len(z) == 3
-    event = _event(basis, noise_multiplier=z, example_sampling_rate=0.05)
-    accountant = TwiceSamplingRdpAccountant()
-    accountant.compose(event, 200)
-    assert accountant.get_epsilon(1e-5) <= 3.0
-    with pytest.raises(ValueError, match='one value per block'):
-        hybrid.hybrid_noise_multipliers(basis, (0.5, 0.3), **budget)
 
 
 if __name__ == '__main__':

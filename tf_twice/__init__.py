@@ -12,6 +12,8 @@ Layers, each importing only downward:
     per-block noise optimisation, privacy statements.
   * ``tf_twice.sampling`` and ``tf_twice.mechanism``: Poisson logical batches
     and the one clip-mask-noise-normalise aggregation.
+  * ``tf_twice.hybrid``: hybrid-clipping budgets and noise from public data
+    (``plan_blocks``).
   * ``tf_twice.optimizers`` and ``tf_twice.keras``: what Keras users call.
 
 The config and accounting names are re-exported here; importing ``tf_twice``

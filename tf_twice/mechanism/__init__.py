@@ -17,6 +17,5 @@ from tf_twice.mechanism.aggregation import effective_coordinate_sampling_rate
 from tf_twice.mechanism.aggregation import standard_normal_noise
 from tf_twice.mechanism.aggregation import validate_params
 from tf_twice.mechanism.hybrid import BasisVariables
-from tf_twice.mechanism.hybrid import hybrid_noise_multipliers
 from tf_twice.mechanism.aggregator import PrivateAggregator
 from tf_twice.mechanism.aggregator import StepKeys

@@ -27,9 +27,9 @@ pass), which is several times faster than Householder QR on tall matrices.
 
 Privacy. A basis must depend only on public data and on the current model
 (itself a DP output, so using it is post-processing). Nothing in this module
-reads private data, and the clip budgets it proposes (``public_block_norms``,
-``split_l2_budget``) come from public gradients or from the user, never from
-private statistics. Given such a basis, the released pair (noisy coefficient
+reads private data; the clip budgets built on a basis
+(``tf_twice.hybrid.plan_blocks``) come from public gradients or from the user,
+never from private statistics. Given such a basis, the released pair (noisy coefficient
 sums, noisy residual sum) is a Gaussian mechanism on clipped coordinates; the
 guarantee does not even need U to be orthonormal, but the meaning of the
 blocks (a disjoint split of the gradient) does, so it is checked on
@@ -60,13 +60,10 @@ __all__ = [
     'group_matrices',
     'groups_by_layer',
     'learn_basis',
-    'linf_clips_from_d0',
     'partition_variables',
-    'public_block_norms',
     'public_gradient_matrices',
     'public_per_example_gradients',
     'split_group_ranks',
-    'split_l2_budget',
 ]
 
 # Max |U_g^T U_g - I| accepted on construction. Bases learned here are
@@ -1120,116 +1117,6 @@ def learn_basis(
 
 
 # Clip budgets (from public data or the user, never from private data).
-
-
-def public_block_norms(basis: HybridBasis,
-                       public_gradients,
-                       *,
-                       clip_norm: Optional[float] = None,
-                       chunk_size: int = 256) -> np.ndarray:
-    """Mean public ||projection onto block j||, residual last: shape [m].
-
-    Block j's projection norm of one example is ||a_j|| with a_j the
-    concatenation over groups of its coefficients (= ||U_j a_j|| for an
-    orthonormal basis); the residual's is ||g - U a||. Feed only PUBLIC
-    gradients: the result sets clip budgets (``split_l2_budget``), and
-    budgets computed from private gradients would leak them.
-
-    Args:
-      basis: the basis.
-      public_gradients: per-variable arrays [k_pub, *shape_v] or a 2-D array
-        [k_pub, d] in natural variable order.
-      clip_norm: if given (> 0), each example is first scaled to l2 norm
-        <= clip_norm, as the DP step clips (and so that a few large public
-        gradients do not dominate the means).
-      chunk_size: examples projected at a time (bounds memory).
-    """
-    chunk_size = _check_int('chunk_size', chunk_size, 1)
-    if clip_norm is not None and not (clip_norm > 0 and math.isfinite(
-            clip_norm)):
-        raise ValueError(
-            f'clip_norm must be a finite number > 0 or None; got {clip_norm}.')
-    if isinstance(public_gradients, (np.ndarray, tf.Tensor)):
-        per_group = [np.asarray(t) for t in
-                     basis.split_flat(np.asarray(public_gradients,
-                                                 dtype=np.float32))]
-    else:
-        per_group = [np.asarray(t) for t in basis.flatten(
-            [np.asarray(t, dtype=np.float32) for t in public_gradients])]
-    n = per_group[0].shape[0]
-    if n < 1:
-        raise ValueError('public_gradients must hold at least one example.')
-    totals = np.zeros(basis.num_blocks)
-    for start in range(0, n, chunk_size):
-        chunk = [x[start:start + chunk_size] for x in per_group]
-        if clip_norm is not None:
-            norms = np.sqrt(sum(np.sum(np.square(x, dtype=np.float64), axis=1)
-                                for x in chunk))
-            scale = np.minimum(1.0, clip_norm / np.maximum(norms, 1e-300))
-            chunk = [(x * scale[:, None]).astype(np.float32) for x in chunk]
-        projection = basis.project(chunk)
-        squares = [sum(np.sum(np.square(np.asarray(a, np.float64)), axis=1)
-                       for a in block)
-                   for block in projection.coefficients]
-        squares.append(sum(np.sum(np.square(np.asarray(r, np.float64)),
-                                  axis=1) for r in projection.residual))
-        totals += np.array([np.sum(np.sqrt(s)) for s in squares])
-    return totals / n
-
-
-def split_l2_budget(total_l2_clip: float,
-                    public_projection_norms: Sequence[float]
-                    ) -> Tuple[float, ...]:
-    """Splits a global l2 budget c over blocks: c2_j proportional to n_j.
-
-    c2_j = c * n_j / ||n||_2, so that sum_j c2_j^2 = c^2: the hybrid set lies
-    inside the l2 ball of radius c (the paper allocates "the same global
-    l2-norm budget c to different subspaces, depending on the expected norm of
-    public gradients projected into each subspace"). ``n`` must come from
-    public data (``public_block_norms``) or the user, never from private
-    statistics.
-
-    Args:
-      total_l2_clip: c > 0.
-      public_projection_norms: n_j > 0 per block, residual last.
-    """
-    c = float(total_l2_clip)
-    if not (c > 0 and math.isfinite(c)):
-        raise ValueError(
-            f'total_l2_clip must be a finite number > 0; got {total_l2_clip}.')
-    norms = np.asarray(public_projection_norms, dtype=np.float64)
-    if norms.ndim != 1 or norms.size < 1 or not np.all(
-            np.isfinite(norms)) or np.any(norms <= 0):
-        raise ValueError(
-            'public_projection_norms must be finite numbers > 0, one per '
-            f'block (a block with no public energy gets no budget: drop it); '
-            f'got {public_projection_norms!r}.')
-    budgets = c * norms / np.linalg.norm(norms)
-    return tuple(float(b) for b in budgets)
-
-
-def linf_clips_from_d0(l2_norm_clips: Sequence[float],
-                       d0: Union[float, Sequence[float]]
-                       ) -> Tuple[float, ...]:
-    """c_inf_j = c2_j / sqrt(d0_j) for a user-chosen d0 (scalar or per block).
-
-    d0_j = (c2_j / c_inf_j)^2 is how many coordinates the worst-case
-    contribution of block j spreads over; d0 <= 1 means no l-infinity effect.
-    """
-    clips = np.asarray(l2_norm_clips, dtype=np.float64)
-    if clips.ndim != 1 or clips.size < 1 or not np.all(
-            np.isfinite(clips)) or np.any(clips <= 0):
-        raise ValueError(
-            'l2_norm_clips must be finite numbers > 0, one per block; got '
-            f'{l2_norm_clips!r}.')
-    d0 = np.broadcast_to(np.asarray(d0, dtype=np.float64), clips.shape) \
-        if np.ndim(d0) == 0 else np.asarray(d0, dtype=np.float64)
-    if d0.shape != clips.shape or not np.all(np.isfinite(d0)) or np.any(
-            d0 <= 0):
-        raise ValueError(
-            'd0 must be a finite number > 0 or one per block; got '
-            f'{d0!r}.')
-    return tuple(float(c) for c in clips / np.sqrt(d0))
 
 
 # Refreshing the basis during training.

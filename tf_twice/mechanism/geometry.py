@@ -11,7 +11,7 @@ clipping with an l-infinity bound captures at little clipping bias.
 
 These are diagnostics: computed on private gradients they are NOT private and
 must not be used to choose clip budgets (use public data for that, see
-``basis.public_block_norms``). Pure numpy and TensorFlow; no plotting.
+``tf_twice.hybrid.public_block_norms``). Pure numpy and TensorFlow; no plotting.
 """
 
 from __future__ import annotations

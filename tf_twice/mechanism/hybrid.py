@@ -37,9 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tf_twice import accounting
 from tf_twice import config as config_lib
-from tf_twice.accounting import conversion as conversion_lib
 from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import basis as basis_lib
 
@@ -49,7 +47,6 @@ __all__ = [
     'block_sums',
     'check_basis_matches_variables',
     'check_block_params',
-    'hybrid_noise_multipliers',
     'noisy_update',
     'split_into_blocks',
     'zero_block_sums',
@@ -87,8 +84,8 @@ def check_block_params(config: config_lib.TwiceSamplingConfig,
             f'the config must have one Block per block of the basis: {m} '
             f'({m - 1} principal blocks, then the residual); got '
             f'{config.num_blocks}. Split a global l2 budget with '
-            'split_l2_budget(c, public_block_norms(basis, public_grads)) and '
-            'choose the noise with hybrid_noise_multipliers.')
+            'tf_twice.hybrid.plan_blocks(config, basis, public_gradients, ...) '
+            'to derive them from a one-block config.')
 
 
 def check_basis_matches_variables(basis: basis_lib.HybridBasis,
@@ -302,65 +299,3 @@ def noisy_update(sums: BlockSums,
     # Linear post-processing of the released pair.
     return basis.unflatten(basis.reconstruct(noisy[:-1], noisy[-1],
                                              matrices))
-
-
-def hybrid_noise_multipliers(
-        basis: basis_lib.HybridBasis,
-        l2_norm_clips: Sequence[float],
-        linf_norm_clips: Optional[Sequence[Optional[float]]] = None,
-        *,
-        target_epsilon: float,
-        delta: float,
-        steps: int,
-        example_sampling_rate: float,
-        coordinate_sampling_rate: float,
-        orders: Optional[Sequence[float]] = None,
-        conversion: conversion_lib.ConversionLike = 'dp_accounting',
-) -> Tuple[float, ...]:
-    """Per-block noise multipliers z_j for ``basis`` meeting a budget.
-
-    ``accounting.optimize_block_noise`` with ``ranks = basis.
-    block_dimensions`` (r_1..r_{m-1} principal coefficients, then d residual
-    coordinates): the z_j minimise the total noise variance
-    sum_j r_j (z_j c2_j)^2 subject to (target_epsilon, delta) after ``steps``
-    steps of the twice-sampled hybrid mechanism. Guarantee: the result
-    always meets the budget (checked by the full accountant); pass it as
-    ``noise_multiplier`` to DPModel or an optimizer with the same clips.
-
-    Args:
-      basis: the basis training will use (only its block dimensions are
-        read, so any basis of the same structure gives the same answer).
-      l2_norm_clips: c2_j per block (principal blocks, then the residual),
-        e.g. from ``split_l2_budget``; never from private statistics.
-      linf_norm_clips: None or c_inf_j (or None) per block.
-      target_epsilon, delta, steps, example_sampling_rate,
-      coordinate_sampling_rate, orders, conversion: as in
-        ``optimize_block_noise``.
-
-    Raises:
-      ValueError: wrong lengths, bad arguments or an unreachable target.
-    """
-    if not isinstance(basis, basis_lib.HybridBasis):
-        raise ValueError('basis must be a tf_twice HybridBasis; got '
-                         f'{type(basis).__name__}.')
-    dims = basis.block_dimensions
-    clips = list(l2_norm_clips)
-    if len(clips) != len(dims):
-        raise ValueError(
-            f'l2_norm_clips must have one value per block of the basis '
-            f'({len(dims)}: principal blocks, then the residual); got '
-            f'{len(clips)}.')
-    if linf_norm_clips is None:
-        linf = [None] * len(dims)
-    else:
-        linf = list(linf_norm_clips)
-        if len(linf) != len(dims):
-            raise ValueError(
-                f'linf_norm_clips must be None or have one value per block '
-                f'({len(dims)}); got {len(linf)}.')
-    return accounting.optimize_block_noise(
-        target_epsilon=target_epsilon, delta=delta, steps=steps,
-        example_sampling_rate=example_sampling_rate,
-        coordinate_sampling_rate=coordinate_sampling_rate,
-        l2_norm_clips=clips, linf_norm_clips=linf, ranks=dims,
-        orders=orders, conversion=conversion)
