@@ -1,10 +1,10 @@
-r"""Test accuracy on digits at equal epsilon: DP-SGD, twice sampling, hybrid.
+r"""Test accuracy at equal epsilon: DP-SGD, twice sampling, hybrid clipping.
 
-Every row trains the same small CNN (examples/train.py) on the same private
-set (the digits training split minus `--public_examples` held-out public
-examples, which only hybrid clipping uses) for the same number of steps,
-with the same learning rate and global l2 clip, each with its noise
-calibrated to the same (epsilon, delta). Rows:
+Every row trains the same model (examples/train.py) on the same private set
+(the training split minus `--public_examples` held-out public examples, which
+only hybrid clipping uses) for the same number of steps, with the same
+optimiser and global l2 clip, each with its noise calibrated to the same
+(epsilon, delta), for every epsilon of `--target_epsilons`. Rows:
 
 * `dpsgd q=q1`: standard DP-SGD with Poisson sampling at the expected batch
   size B of the twice-sampling rows;
@@ -14,14 +14,22 @@ calibrated to the same (epsilon, delta). Rows:
 * `twice`: (q1, q2)-twice sampling with l-infinity clip c2 / sqrt(d0);
 * `hybrid`: twice sampling plus hybrid clipping with a basis of rank
   `--ranks` learned from the public split (refreshed every
-  `--basis_refresh_steps` steps) and per-block noise optimised for the
-  target.
+  `--basis_refresh_steps` steps) and per-block clips and noise from
+  `tf_twice.hybrid.plan_blocks`.
 
-Each row runs once per seed; the table gives the median test accuracy, its
-range over the seeds, the noise multiplier(s) and the epsilon the privacy
-ledger reports.
+Each row runs once per seed and epsilon; the tables give the median test
+accuracy, its range over the seeds, the noise multiplier(s) and the epsilon
+the privacy ledger reports. `--plot` draws accuracy against epsilon, with the
+published results for the dataset marked.
 
-Run: python examples/accuracy_study.py
+Long studies: with `--results_json`, every finished run is written to that
+file at once and a rerun with the same settings skips the runs it holds, so a
+study can be run in parts (e.g. one epsilon or one seed per invocation, or
+after an interruption) and the tables and plot always cover every run in it.
+
+Run: python examples/accuracy_study.py   (digits, about 6 minutes)
+Fashion-MNIST (Debian package dataset-fashion-mnist), Tramer & Boneh's
+setting: see docs/results.md for the command.
 
 The console is kept as quiet as examples/train.py keeps it (TensorFlow's C++
 log and a few known notes hidden; set TF_CPP_MIN_LOG_LEVEL to see the log).
@@ -30,11 +38,12 @@ log and a few known notes hidden; set TF_CPP_MIN_LOG_LEVEL to see the log).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import app
 from absl import flags
@@ -57,6 +66,18 @@ def _load_train():
 train_lib = _load_train()
 
 ROWS = ('dpsgd q=q1', 'dpsgd q=q1*q2', 'twice', 'hybrid')
+
+# Published test accuracies (label, epsilon, accuracy %) at delta = 1e-5,
+# marked on the plot for comparison.
+PUBLISHED = {
+    'fashion_mnist': (
+        ('Tramer & Boneh (ICLR 2021), tanh CNN', 3.0, 86.0),
+        ('Papernot et al. (AAAI 2021), tempered sigmoids', 3.0, 86.1),
+    ),
+}
+
+# One study's results: results[epsilon][row] is the list of runs (seeds).
+Results = Dict[float, Dict[str, List[Dict[str, Any]]]]
 
 
 def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
@@ -81,22 +102,81 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
     return {row: every[row] for row in rows}
 
 
+class RunStore:
+    """The finished runs of one study, kept in a JSON file (or in memory).
+
+    The file records the settings shared by every run; a store opened with
+    other settings is refused, so that one table never mixes two studies.
+    """
+
+    def __init__(self, path: Optional[str], settings: Dict[str, Any]):
+        self._path = path
+        self._settings = json.loads(json.dumps(settings))
+        self._runs: Dict[str, Dict[str, Any]] = {}
+        if path is not None and os.path.exists(path):
+            with open(path, encoding='utf-8') as f:
+                saved = json.load(f)
+            if saved.get('settings') != self._settings:
+                raise ValueError(
+                    f'--results_json={path} holds a study with other '
+                    f'settings ({saved.get("settings")}); use another file '
+                    'or the same settings.')
+            self._runs = saved['runs']
+
+    @staticmethod
+    def key(row: str, epsilon: float, seed: int) -> str:
+        return f'{row} | epsilon={epsilon:g} | seed={seed}'
+
+    def get(self, key: str) -> Optional[Dict[str, Any]]:
+        return self._runs.get(key)
+
+    def put(self, key: str, result: Dict[str, Any]) -> None:
+        self._runs[key] = json.loads(json.dumps(result))
+        if self._path is None:
+            return
+        temporary = f'{self._path}.tmp'
+        with open(temporary, 'w', encoding='utf-8') as f:
+            json.dump({'settings': self._settings, 'runs': self._runs}, f,
+                      indent=1)
+        os.replace(temporary, self._path)  # A crash keeps the last file.
+
+
 def run_study(configs: Dict[str, Dict[str, Any]], *, seeds: Sequence[int],
-              common: Dict[str, Any], public_examples: int, data=None,
-              log=print) -> Dict[str, List[Dict[str, Any]]]:
-    """Trains every row once per seed; returns the results per row."""
+              target_epsilons: Sequence[float], common: Dict[str, Any],
+              public_examples: int, data=None,
+              store: Optional[RunStore] = None,
+              train_fn: Optional[Callable[..., Dict[str, Any]]] = None,
+              log=print) -> Results:
+    """Trains every row once per epsilon and seed (runs already in `store`
+    are reused); returns the results per epsilon and row."""
     if data is None:
-        data = train_lib.load_data('digits', public_examples=public_examples)
-    results: Dict[str, List[Dict[str, Any]]] = {row: [] for row in configs}
-    for seed in seeds:
-        for row, overrides in configs.items():
-            config = dict(common, seed=seed, public_examples=public_examples,
-                          **overrides)
-            result = train_lib.train(config, data=data)
-            results[row].append(result)
-            log(f'{row:>14}  seed {seed}: test accuracy '
-                f"{result['test_accuracy']:.4f}, epsilon "
-                f"{result['epsilon']:.3f}, {result['train_seconds']:.0f} s")
+        data = train_lib.load_data(common.get('dataset', 'digits'),
+                                   data_dir=common.get('data_dir'),
+                                   public_examples=public_examples)
+    store = store or RunStore(None, {})
+    train_fn = train_fn or train_lib.train
+    results: Results = {}
+    for epsilon in target_epsilons:
+        results[epsilon] = {row: [] for row in configs}
+        for seed in seeds:
+            for row, overrides in configs.items():
+                key = RunStore.key(row, epsilon, seed)
+                result = store.get(key)
+                if result is None:
+                    config = dict(common, seed=seed,
+                                  public_examples=public_examples,
+                                  target_epsilon=epsilon, **overrides)
+                    result = train_fn(config, data=data)
+                    result.pop('statement', None)
+                    store.put(key, result)
+                    done = 'ran'
+                else:
+                    done = 'from --results_json'
+                results[epsilon][row].append(result)
+                log(f'{row:>14}  epsilon {epsilon:g}  seed {seed}: test '
+                    f"accuracy {result['test_accuracy']:.4f}, epsilon "
+                    f"{result['epsilon']:.3f}, "
+                    f"{result['train_seconds']:.0f} s ({done})")
     return results
 
 
@@ -130,15 +210,78 @@ def markdown_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
     return '\n'.join(lines)
 
 
+def _median_and_range(runs: List[Dict[str, Any]]) -> Tuple[float, ...]:
+    accuracies = [100.0 * r['test_accuracy'] for r in runs]
+    return (statistics.median(accuracies), min(accuracies), max(accuracies))
+
+
+def plot_accuracy(results: Results, path: str, *,
+                  published: Sequence[Tuple[str, float, float]] = (),
+                  title: str = '') -> None:
+    """Median test accuracy (bars: min - max over seeds) against epsilon,
+    one line per row, published results as stars; written to `path`."""
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+    epsilons = sorted(results)
+    rows = [row for row in ROWS if any(results[e].get(row) for e in epsilons)]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for row in rows:
+        points = [(e, *_median_and_range(results[e][row]))
+                  for e in epsilons if results[e].get(row)]
+        x = [p[0] for p in points]
+        median = [p[1] for p in points]
+        ax.errorbar(x, median, yerr=[[p[1] - p[2] for p in points],
+                                     [p[3] - p[1] for p in points]],
+                    marker='o', capsize=3, label=row)
+    for label, epsilon, accuracy in published:
+        ax.plot([epsilon], [accuracy], marker='*', markersize=12,
+                linestyle='none', label=f'{label}: {accuracy:g} %')
+    ax.set_xscale('log')
+    ax.minorticks_off()
+    ax.set_xticks(epsilons)
+    ax.set_xticklabels([f'{e:g}' for e in epsilons])
+    ax.set_xlabel('epsilon (delta = 1e-5)' if all(
+        r['delta'] == 1e-5 for e in epsilons for runs in results[e].values()
+        for r in runs) else 'epsilon')
+    ax.set_ylabel('test accuracy (%)')
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     fv = dict(flag_values=flag_values)
     flags.DEFINE_list('seeds', ['0', '1', '2', '3', '4'], 'Seeds per row.',
                       **fv)
     flags.DEFINE_list('rows', list(ROWS), 'Rows to run.', **fv)
-    flags.DEFINE_float('target_epsilon', 4.0, 'Epsilon of every row.', **fv)
+    flags.DEFINE_list('target_epsilons', ['4'], 'Epsilons; every row runs '
+                      'at each.', **fv)
+    flags.DEFINE_enum('dataset', 'digits', ['digits', 'fashion_mnist'],
+                      'Dataset (examples/train.py --dataset).', **fv)
+    flags.DEFINE_string('data_dir', None, 'Directory of the dataset files '
+                        '(examples/train.py --data_dir).', **fv)
+    flags.DEFINE_string('model', 'small_cnn', 'Model (examples/train.py '
+                        '--model).', **fv)
     flags.DEFINE_float('epochs', 40, 'Epochs (1/q1 steps each) of the '
                        'twice-sampling rows; every row runs as many steps.',
                        **fv)
+    flags.DEFINE_integer('steps', None, 'Steps of every row (instead of '
+                         '--epochs).', **fv)
+    flags.DEFINE_float('momentum', 0.0, 'SGD momentum.', **fv)
+    flags.DEFINE_integer('physical_batch_size', 64, 'Examples per '
+                         'vectorized chunk (speed and memory only).', **fv)
+    flags.DEFINE_string('results_json', None, 'File that keeps every '
+                        'finished run; a rerun skips the runs it holds.',
+                        **fv)
+    flags.DEFINE_string('plot', None, 'PNG of accuracy against epsilon.',
+                        **fv)
     flags.DEFINE_float('batch_size', 128, 'Expected batch size B.', **fv)
     flags.DEFINE_float('coordinate_sampling_rate', 0.5, 'q2.', **fv)
     flags.DEFINE_float('d0', 100, 'c_inf = c2 / sqrt(d0) (twice, and the '
@@ -159,6 +302,7 @@ def main(argv: Sequence[str]) -> None:
     f = flags.FLAGS
     try:
         seeds = [int(s) for s in f.seeds]
+        epsilons = [float(e) for e in f.target_epsilons]
         configs = row_configs(
             batch_size=f.batch_size,
             coordinate_sampling_rate=f.coordinate_sampling_rate, d0=f.d0,
@@ -166,26 +310,46 @@ def main(argv: Sequence[str]) -> None:
             basis_refresh_steps=f.basis_refresh_steps, rows=f.rows)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
-    data = train_lib.load_data('digits', public_examples=f.public_examples)
+    data = train_lib.load_data(f.dataset, data_dir=f.data_dir,
+                               public_examples=f.public_examples)
     n = len(data.x_train)
-    # Every row runs the steps of the twice-sampling rows' epochs.
-    steps_per_epoch = train_lib.sampling.poisson_schedule(
-        n, expected_batch_size=f.batch_size).steps_per_epoch
-    steps = int(round(f.epochs * steps_per_epoch))
-    common = dict(target_epsilon=f.target_epsilon, steps=steps,
-                  learning_rate=f.learning_rate,
-                  l2_norm_clip=f.l2_norm_clip, verbose=0)
+    if f.steps is not None:
+        steps = int(f.steps)
+    else:  # Every row runs the steps of the twice-sampling rows' epochs.
+        steps_per_epoch = train_lib.sampling.poisson_schedule(
+            n, expected_batch_size=f.batch_size).steps_per_epoch
+        steps = int(round(f.epochs * steps_per_epoch))
+    common = dict(dataset=f.dataset, data_dir=f.data_dir, model=f.model,
+                  steps=steps, learning_rate=f.learning_rate,
+                  momentum=f.momentum, l2_norm_clip=f.l2_norm_clip,
+                  physical_batch_size=f.physical_batch_size, verbose=0)
+    # What a stored run must share with this invocation to be reused.
+    settings = dict(common, data_dir=None, public_examples=f.public_examples,
+                    rows={row: configs[row] for row in configs})
+    store = RunStore(f.results_json, settings)
     start = time.time()
-    results = run_study(configs, seeds=seeds, common=common,
-                        public_examples=f.public_examples, data=data)
+    results = run_study(configs, seeds=seeds, target_epsilons=epsilons,
+                        common=common, public_examples=f.public_examples,
+                        data=data, store=store)
+    first = results[epsilons[0]][next(iter(configs))][0]
+    summary = (
+        f'{f.dataset}: {n} private training examples, {f.public_examples} '
+        f'public (hybrid only), {len(data.x_test)} test; {f.model}; '
+        f'{steps} steps; SGD learning rate {f.learning_rate:g}, momentum '
+        f'{f.momentum:g}; l2 clip {f.l2_norm_clip:g}; delta '
+        f"{first['delta']:g}; seeds {seeds}.")
     print()
-    print(f'digits: {n} private training examples, {f.public_examples} '
-          f'public (hybrid only), {len(data.x_test)} test; small_cnn; '
-          f'{steps} steps; SGD learning rate {f.learning_rate:g}; l2 clip '
-          f'{f.l2_norm_clip:g}; target epsilon {f.target_epsilon:g} at delta '
-          f"{results[next(iter(results))][0]['delta']:g}; seeds {seeds}.")
-    print()
-    print(markdown_table(results))
+    print(summary)
+    for epsilon in epsilons:
+        print()
+        print(f'Target epsilon {epsilon:g}:')
+        print()
+        print(markdown_table(results[epsilon]))
+    if f.plot:
+        plot_accuracy(results, f.plot, published=PUBLISHED.get(f.dataset, ()),
+                      title=f'{f.dataset}, {f.model}, {steps} steps')
+        print()
+        print(f'Plot: {f.plot}')
     print()
     print(f'Total time: {time.time() - start:.0f} s.')
 
