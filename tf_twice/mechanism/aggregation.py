@@ -272,11 +272,14 @@ def _check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 def _squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     """Per-example squared l2 norm [B] over all tensors of one block."""
-    squares = [
-        tf.reduce_sum(tf.reshape(tf.square(g), [-1, _num_elements(
-            g.shape[1:])]), axis=1)
-        for g in grads if _num_elements(g.shape[1:]) > 0
-    ]
+    # A row-wise dot product reads g once; tf.square would first write a
+    # second [B, d] copy (measured: half the CPU time for [64, 79530]).
+    squares = []
+    for g in grads:
+        d = _num_elements(g.shape[1:])
+        if d > 0:
+            flat = tf.reshape(g, [-1, d])
+            squares.append(tf.einsum('bi,bi->b', flat, flat))
     if not squares:  # Only empty tensors: every example has norm 0.
         return tf.zeros([tf.shape(grads[0])[0]], grads[0].dtype)
     return tf.add_n(squares)
