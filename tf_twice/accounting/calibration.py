@@ -51,7 +51,8 @@ class EpsilonOfBlocks:
         self._q2 = coordinate_sampling_rate
         self._orders = orders
         self._conversion = conversion
-        self._ceilings = np.ceil(orders - 1e-12)
+        self._ceilings = rdp_lib.integer_order_ceilings(orders).astype(
+            np.float64)
         self._cap = max(_LEADING_ORDER_CAP, float(self._ceilings.min()))
         # The last result at all orders: searches ask for it twice.
         self._last: Tuple[Optional[blocks_lib.Blocks], Tuple[float, float]] = (
@@ -102,7 +103,7 @@ class EpsilonOfBlocks:
             leading = self._orders[self._ceilings <= self._cap]
             eps, order = self.epsilon_and_optimal_order(blocks, leading)
             largest = float(self._ceilings[self._ceilings <= self._cap].max())
-            if (math.ceil(order - 1e-12) < largest
+            if (math.ceil(order) < largest
                     or largest == self._ceilings.max()):
                 return eps, order
             self._cap *= 2.0

@@ -245,7 +245,7 @@ def rdp_of_blocks(orders: np.ndarray, example_sampling_rate: float,
                   coordinate_sampling_rate: float,
                   blocks: blocks_lib.Blocks) -> np.ndarray:
     """One-step RDP at `orders` (already checked) for validated blocks."""
-    integer_orders = np.ceil(orders - 1e-12).astype(np.int64)
+    integer_orders = integer_order_ceilings(orders)
     unique_orders, positions = np.unique(integer_orders, return_inverse=True)
     max_order = int(unique_orders[-1])
 
@@ -253,6 +253,14 @@ def rdp_of_blocks(orders: np.ndarray, example_sampling_rate: float,
         max_order, coordinate_sampling_rate, blocks)
     return _twice_sampling_rdp_of_moments(
         unique_orders, example_sampling_rate, log_moments)[positions]
+
+
+def integer_order_ceilings(orders: np.ndarray) -> np.ndarray:
+    """ceil(alpha) for every order alpha > 1, as int64: the integer order
+    whose exact RDP bounds a fractional order's (Renyi divergence is
+    non-decreasing in the order). No tolerance: an order a rounding error
+    above an integer gets the next integer, never the one below it."""
+    return np.ceil(orders).astype(np.int64)
 
 
 def _twice_sampling_rdp_of_moments(orders: np.ndarray, q1: float,
