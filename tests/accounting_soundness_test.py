@@ -3,10 +3,14 @@
 Every epsilon the accountant reports must bound the true one from above.
 """
 
+import math
+
 import numpy as np
 import pytest
 
 from tf_twice.accounting import epsilon_after_steps
+from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import twice_sampling_rdp
 
 # ---------------------------------------------------------------------------
@@ -39,3 +43,41 @@ def test_no_order_yields_a_nan_epsilon():
             steps=100, delta=1e-5, example_sampling_rate=0.1,
             coordinate_sampling_rate=0.5, noise_multiplier=1.0,
             linf_norm_clip=0.1, orders=orders[1:], conversion=conversion)
+
+
+# ---------------------------------------------------------------------------
+# Noise so small that the tables would overflow: +inf, never 0 or NaN.
+
+
+@pytest.mark.parametrize('z', [1e-154, 1e-160, 1e-200, 1e-300])
+@pytest.mark.parametrize('q1,q2,linf', [(0.1, 0.5, 0.1), (1.0, 0.5, 0.1),
+                                        (0.1, 1.0, None), (1.0, 1.0, None),
+                                        (1e-6, 1e-6, 0.5)])
+def test_tiny_noise_is_never_reported_private(z, q1, q2, linf):
+    kwargs = dict(example_sampling_rate=q1, coordinate_sampling_rate=q2,
+                  linf_norm_clip=linf)
+    orders = [2, 3, 64]
+    ours = twice_sampling_rdp(orders, noise_multiplier=z, **kwargs)
+    # Less noise cannot lose less privacy than z = 1e-100 (RDP ~ 1e200).
+    more_noise = twice_sampling_rdp(orders, noise_multiplier=1e-100, **kwargs)
+    assert np.all(np.isfinite(more_noise)) and np.all(more_noise > 1e150)
+    assert not np.any(np.isnan(ours))
+    assert np.all(ours >= more_noise)
+    for conversion in ('dp_accounting', 'basic'):
+        assert epsilon_after_steps(
+            steps=1, delta=1e-5, noise_multiplier=z, orders=orders,
+            conversion=conversion, **kwargs) == math.inf
+
+
+def test_several_tiny_noise_blocks_overflow_to_infinity():
+    # Each block's L(32) is finite (~5.5e307); the sum of four is not.
+    ours = twice_sampling_rdp(
+        [2, 32], example_sampling_rate=0.5, coordinate_sampling_rate=0.5,
+        noise_multiplier=[3e-153] * 4, linf_norm_clip=None)
+    assert np.all(ours == math.inf)
+    accountant = TwiceSamplingRdpAccountant()
+    accountant.compose(TwiceSampledGaussianDpEvent(0.1, 0.5, 1.0, 1.0, 0.1),
+                       10)
+    accountant.compose(TwiceSampledGaussianDpEvent(0.5, 0.5, [3e-153] * 4,
+                                                   1.0, None))
+    assert accountant.get_epsilon(1e-5) == math.inf
