@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from tf_twice.accounting import calibration
 from tf_twice.accounting import epsilon_after_steps
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
@@ -81,3 +82,28 @@ def test_several_tiny_noise_blocks_overflow_to_infinity():
     accountant.compose(TwiceSampledGaussianDpEvent(0.5, 0.5, [3e-153] * 4,
                                                    1.0, None))
     assert accountant.get_epsilon(1e-5) == math.inf
+
+
+# ---------------------------------------------------------------------------
+# Searches return only noise that the full accountant accepts.
+
+
+def _undercut(exact, factor):
+    """A function below `exact`: a 'bound' that is not one."""
+    return lambda s: exact(s) * factor
+
+
+@pytest.mark.parametrize('lower', [0.01, 1.97])
+def test_search_returns_only_scales_the_exact_function_accepts(lower):
+    # If the cheap function undercuts the exact one (it must not; a bound
+    # computed separately could by a rounding error), the result must still
+    # meet the target exactly, not merely by the cheap function. With
+    # lower = 1.97 the cheap function already passes at the lower end.
+    def exact(s):
+        return 2.0 / s
+
+    s = calibration.smallest_scale_meeting(
+        _undercut(exact, 0.98), 1.0, lower=lower, upper=100.0,
+        tolerance=1e-2, exact_epsilon_of_scale=exact)
+    assert exact(s) <= 1.0
+    assert 0.99 <= exact(s)

@@ -208,8 +208,11 @@ def smallest_scale_meeting(
     `epsilon_of_scale` may be a cheaper upper bound of
     `exact_epsilon_of_scale` (e.g. from the leading RDP orders only). The
     result then meets the target by the bound, hence also exactly; the
-    exact function confirms a refusal and the tightness of the result, and
-    the search is run again on it when the bound was loose there.
+    exact function confirms a refusal and the result, and the search is run
+    again on it when the bound was loose there, or (which a true bound rules
+    out, but a bound evaluated separately could miss by a rounding error)
+    when the result misses the target exactly. Every scale returned has
+    been evaluated by the exact function at or below the target.
 
     Raises:
       ValueError: if `upper` does not meet the target.
@@ -217,9 +220,13 @@ def smallest_scale_meeting(
     exact = exact_epsilon_of_scale or epsilon_of_scale
     scale = _smallest_scale_by(epsilon_of_scale, exact, target_epsilon,
                                lower, upper, tolerance, scale_name, start)
-    if exact is epsilon_of_scale or scale == lower:
+    if exact is epsilon_of_scale:
         return scale
-    if exact(scale) >= (1.0 - tolerance) * target_epsilon:
+    eps = exact(scale)
+    if eps > target_epsilon:  # Not a bound here: search above, exactly.
+        return _smallest_scale_by(exact, exact, target_epsilon, scale, upper,
+                                  tolerance, scale_name, scale)
+    if scale == lower or eps >= (1.0 - tolerance) * target_epsilon:
         return scale
     return _smallest_scale_by(exact, exact, target_epsilon, lower, scale,
                               tolerance, scale_name, scale)
