@@ -11,6 +11,7 @@ shortcuts (leading orders, a bound, an analytic gradient) do.
 
 import math
 
+import dp_accounting
 import mpmath
 import numpy as np
 import pytest
@@ -188,6 +189,7 @@ def test_several_tiny_noise_blocks_overflow_to_infinity():
     (100.0, 1, 0.01, 1e-4, 1e-3, 1e-5),     # Met at the smallest noise.
     (0.05, 10 ** 6, 1e-5, 0.01, 0.1, 1e-10),
     (1.0, 10 ** 6, 1e-3, 0.5, 0.1, 1e-5),   # Many steps.
+    (2.0, 10 ** 6, 1e-3, 1.0, None, 1e-5),  # Plain DP-SGD, many steps.
     (30.0, 10, 0.3, 0.01, 1e-3, 1e-5),      # Small noise, large orders.
     (1e-3, 10, 0.3, 0.01, 1e-3, 1e-5),      # epsilon jumps to 0: no z is
 ])                                          # within 1% of the target.
@@ -198,6 +200,14 @@ def test_calibrated_noise_meets_the_target_against_all_orders(
     z = calibrate_noise_multiplier(target_epsilon=target, **setting)
     eps = epsilon_after_steps(noise_multiplier=z, **setting)
     assert eps <= target
+    if q2 == 1.0 and linf is None:
+        # dp_accounting's own Poisson-subsampled Gaussian, at most ours (it
+        # is exact at fractional orders too), must meet the target as well.
+        theirs = dp_accounting.rdp.RdpAccountant().compose(
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(
+                    q1, dp_accounting.GaussianDpEvent(z)), steps))
+        assert theirs.get_epsilon(delta) <= target
     if z > calibration.MIN_NOISE_MULTIPLIER:  # Smallest: less noise fails.
         assert epsilon_after_steps(noise_multiplier=z * (1 - 1e-6),
                                    **setting) > target * (1 - 1e-2)
