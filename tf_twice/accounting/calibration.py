@@ -51,7 +51,8 @@ class EpsilonOfBlocks:
         self._q2 = coordinate_sampling_rate
         self._orders = orders
         self._conversion = conversion
-        self._ceilings = np.ceil(orders - 1e-12)
+        self._ceilings = rdp_lib.integer_order_ceilings(orders).astype(
+            np.float64)
         self._cap = max(_LEADING_ORDER_CAP, float(self._ceilings.min()))
         # The last result at all orders: searches ask for it twice.
         self._last: Tuple[Optional[blocks_lib.Blocks], Tuple[float, float]] = (
@@ -102,7 +103,7 @@ class EpsilonOfBlocks:
             leading = self._orders[self._ceilings <= self._cap]
             eps, order = self.epsilon_and_optimal_order(blocks, leading)
             largest = float(self._ceilings[self._ceilings <= self._cap].max())
-            if (math.ceil(order - 1e-12) < largest
+            if (math.ceil(order) < largest
                     or largest == self._ceilings.max()):
                 return eps, order
             self._cap *= 2.0
@@ -207,8 +208,11 @@ def smallest_scale_meeting(
     `epsilon_of_scale` may be a cheaper upper bound of
     `exact_epsilon_of_scale` (e.g. from the leading RDP orders only). The
     result then meets the target by the bound, hence also exactly; the
-    exact function confirms a refusal and the tightness of the result, and
-    the search is run again on it when the bound was loose there.
+    exact function confirms a refusal and the result, and the search is run
+    again on it when the bound was loose there, or (which a true bound rules
+    out, but a bound evaluated separately could miss by a rounding error)
+    when the result misses the target exactly. Every scale returned has
+    been evaluated by the exact function at or below the target.
 
     Raises:
       ValueError: if `upper` does not meet the target.
@@ -216,9 +220,13 @@ def smallest_scale_meeting(
     exact = exact_epsilon_of_scale or epsilon_of_scale
     scale = _smallest_scale_by(epsilon_of_scale, exact, target_epsilon,
                                lower, upper, tolerance, scale_name, start)
-    if exact is epsilon_of_scale or scale == lower:
+    if exact is epsilon_of_scale:
         return scale
-    if exact(scale) >= (1.0 - tolerance) * target_epsilon:
+    eps = exact(scale)
+    if eps > target_epsilon:  # Not a bound here: search above, exactly.
+        return _smallest_scale_by(exact, exact, target_epsilon, scale, upper,
+                                  tolerance, scale_name, scale)
+    if scale == lower or eps >= (1.0 - tolerance) * target_epsilon:
         return scale
     return _smallest_scale_by(exact, exact, target_epsilon, lower, scale,
                               tolerance, scale_name, scale)

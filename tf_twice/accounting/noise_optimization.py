@@ -21,6 +21,7 @@ from scipy import optimize
 from tf_twice.accounting import blocks as blocks_lib
 from tf_twice.accounting import calibration
 from tf_twice.accounting import conversion as conversion_lib
+from tf_twice.accounting import rdp as rdp_lib
 
 
 def hybrid_clipping_noise_multipliers(
@@ -171,7 +172,7 @@ def _orders_near(orders: np.ndarray, center: float,
     At integer orders the RDP is exact; the optimum of a fractional order
     equals that of its ceiling.
     """
-    integers = np.unique(np.ceil(orders - 1e-12).astype(np.int64))
+    integers = np.unique(rdp_lib.integer_order_ceilings(orders))
     near = integers[(integers >= center / 2) & (integers <= center * 2)]
     if near.size > max_count:
         near = near[np.unique(np.round(

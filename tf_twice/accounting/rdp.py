@@ -82,12 +82,12 @@ _FLOOR = -700.0
 
 def _logsumexp_last_axis(x: np.ndarray) -> np.ndarray:
     """log(sum(exp(x), axis=-1)) up to rounding, never below it; -inf where
-    x is all -inf.
+    x is all -inf, NaN where x holds a NaN or +inf (never a finite value).
 
     Overwrites `x` (a temporary of the caller's) to save passes over memory.
     """
     top = x.max(axis=-1, keepdims=True)
-    empty = ~np.isfinite(top)
+    empty = top == -np.inf
     top[empty] = 0.0
     np.subtract(x, top, out=x)
     np.maximum(x, _FLOOR, out=x)
@@ -233,26 +233,67 @@ def _coordinate_exponents(blocks: blocks_lib.Blocks,
 
     n coordinates at s = c_inf_j and one at s = c'_j (remark after [COORD]);
     the count is a float: n = floor(d0) may exceed int64 (d0 ~ 1e19).
+    a is formed from s / c2_j <= 1 and z_j so that it cannot divide by an
+    underflowed sigma_j^2; it is +inf where it overflows (tiny z_j).
     """
     n, c_last = blocks.worst_case_coordinates(j)
-    sigma = blocks.noise_multipliers[j] * blocks.l2_norm_clips[j]
-    two_variances = 2.0 * sigma * sigma
-    return ((float(n), blocks.linf_norm_clips[j] ** 2 / two_variances),
-            (1.0, c_last ** 2 / two_variances))
+    z, c2 = blocks.noise_multipliers[j], blocks.l2_norm_clips[j]
+
+    def exponent(s: float) -> float:
+        ratio = (s / c2) / z
+        return 0.5 * ratio * ratio  # A float product overflows to inf.
+
+    return ((float(n), exponent(blocks.linf_norm_clips[j])),
+            (1.0, exponent(c_last)))
+
+
+# The exponents h = l (l-1) a, the log-moments L(v) and the terms formed from
+# them stay below this (so finite, and no inf - inf) when the sum over all
+# worst-case coordinates of count * a * max_order * (max_order - 1) does.
+_LARGEST_EXPONENT_SUM = 1e300
+
+
+def _overflows(max_order: int, counts: np.ndarray,
+               exponents: np.ndarray) -> bool:
+    """Whether the tables at these exponents could overflow a float.
+
+    L(v) <= sum_coordinates count * v (v-1) a (M(v, a) <= exp(v (v-1) a)),
+    so below the bound every table entry is finite. Above it the RDP is
+    reported as +inf, a sound upper bound: that takes sigma_j below about
+    1e-147 c2_j, where the RDP is astronomically large in any case.
+    """
+    with np.errstate(over='ignore', invalid='ignore'):
+        total = float(np.sum(counts * exponents)) * max_order * (
+            max_order - 1.0)
+    return not total < _LARGEST_EXPONENT_SUM
 
 
 def rdp_of_blocks(orders: np.ndarray, example_sampling_rate: float,
                   coordinate_sampling_rate: float,
                   blocks: blocks_lib.Blocks) -> np.ndarray:
     """One-step RDP at `orders` (already checked) for validated blocks."""
-    integer_orders = np.ceil(orders - 1e-12).astype(np.int64)
+    integer_orders = integer_order_ceilings(orders)
     unique_orders, positions = np.unique(integer_orders, return_inverse=True)
     max_order = int(unique_orders[-1])
 
+    _, counts, exponents = _all_coordinate_exponents(blocks)
+    if _overflows(max_order, counts, exponents):
+        return np.full(orders.shape, np.inf)
     log_moments = log_moments_of_coordinate_sampling(
         max_order, coordinate_sampling_rate, blocks)
-    return _twice_sampling_rdp_of_moments(
+    rdp = _twice_sampling_rdp_of_moments(
         unique_orders, example_sampling_rate, log_moments)[positions]
+    # Nothing above can produce a NaN; were one to appear, it must not pass
+    # for a small RDP (dp_accounting's compute_epsilon turns NaN into 0).
+    return np.where(np.isnan(rdp), np.inf, rdp)
+
+
+def integer_order_ceilings(orders: np.ndarray) -> np.ndarray:
+    """ceil(alpha) for every order alpha > 1, as int64: the integer order
+    whose exact RDP bounds a fractional order's (Renyi divergence is
+    non-decreasing in the order). No tolerance: an order a rounding error
+    above an integer gets the next integer, never the one below it."""
+    return np.ceil(orders).astype(np.int64)
 
 
 def _twice_sampling_rdp_of_moments(orders: np.ndarray, q1: float,
@@ -353,13 +394,15 @@ def rdp_and_noise_gradient(order: int, example_sampling_rate: float,
     where D(v, a) = d log M(v, a) / da (`_log_coordinate_moment_slopes`).
     The value is `rdp_of_blocks` at this order.
     """
+    block_of, counts, exponents = _all_coordinate_exponents(blocks)
+    if _overflows(order, counts, exponents):
+        return math.inf, np.zeros(blocks.size)
     log_moments = log_moments_of_coordinate_sampling(
         order, coordinate_sampling_rate, blocks)
     value = float(_twice_sampling_rdp_of_moments(
         np.array([order]), example_sampling_rate, log_moments)[0])
     # dL(v) / d log z_j, one column per block: -2 count a D(v, a) summed
     # over the block's coordinates.
-    block_of, counts, exponents = _all_coordinate_exponents(blocks)
     weighted = (-2.0 * counts * exponents)[:, None] * (
         _log_coordinate_moment_slopes(order, coordinate_sampling_rate,
                                       exponents))
