@@ -88,8 +88,12 @@ def _keras_version() -> str:
 
 def _has_tf_privacy() -> bool:
     """Whether tensorflow-privacy is installed (or already imported)."""
-    return ('tensorflow_privacy' in sys.modules
-            or importlib.util.find_spec('tensorflow_privacy') is not None)
+    if sys.modules.get('tensorflow_privacy') is not None:
+        return True
+    try:
+        return importlib.util.find_spec('tensorflow_privacy') is not None
+    except (ImportError, ValueError):  # A finder refused it.
+        return False
 
 
 def _tf_privacy_import_error(name: str) -> Optional[str]:
