@@ -4,6 +4,7 @@ The classes exist only with tensorflow-privacy on Keras 2; where they cannot,
 the module still imports and the names raise an ImportError naming the fix.
 """
 
+import importlib
 import json
 
 import numpy as np
@@ -32,9 +33,11 @@ _linear = tiny_models.linear
 
 
 def _tf_privacy_vectorized():
-    from tensorflow_privacy.privacy.optimizers import (  # pylint: disable=g-import-not-at-top
-        dp_optimizer_keras_vectorized)
-    return dp_optimizer_keras_vectorized
+    """tf_privacy's vectorized optimizers, imported the way tf_twice imports
+    them (on TensorFlow >= 2.16 its package __init__ must be skipped)."""
+    optimizers.TwiceSamplingDPKerasSGDOptimizer  # pylint: disable=pointless-statement
+    return importlib.import_module(
+        'tensorflow_privacy.privacy.optimizers.dp_optimizer_keras_vectorized')
 
 
 def _vector_loss():
