@@ -5,12 +5,14 @@ Dense(64,relu)-Dense(10) on 32x32x3 inputs (79,530 parameters), random data,
 CPU. Prints examples/second for
 
   * non-private Keras ``fit``;
-  * tf_privacy's ``VectorizedDPKerasSGDOptimizer`` (O(B^2) Jacobian);
+  * tf_privacy's ``VectorizedDPKerasSGDOptimizer`` (O(B^2) Jacobian)*;
   * ``DPModel`` with its config (per-example vectorized_map), q2 = 1;
   * the optimizer path: a ``DPModel`` without a config compiled with
-    ``TwiceSamplingDPKerasSGDOptimizer`` (the same per-example step), q2 = 1;
+    ``TwiceSamplingDPKerasSGDOptimizer`` (the same per-example step), q2 = 1*;
   * ``DPModel`` with q2 = 0.5 and l-infinity clipping;
 
+(*: needs tensorflow-privacy on Keras 2, the ``tf_twice[tf-privacy]`` extra;
+elsewhere the row is skipped and the reason printed)
 and the ratios behind the targets: fast path >= 30x tf_privacy vectorized and
 >= 1/8 of non-private fit; twice sampling costs <= 15% over q2 = 1; peak memory
 of a 4096-example logical batch in 256-example microbatches <= 1.5x that of a
@@ -24,13 +26,15 @@ reported, because other processes may share the CPU. Usage:
 """
 
 import argparse
+import importlib
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
@@ -40,13 +44,10 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
-from tensorflow_privacy.privacy.optimizers import (  # noqa: E402
-    dp_optimizer_keras_vectorized as tfp_vectorized)
-
 from tf_twice import models  # noqa: E402
+from tf_twice import optimizers  # noqa: E402
 from tf_twice.config import TwiceSamplingConfig  # noqa: E402
 from tf_twice.keras import DPModel  # noqa: E402
-from tf_twice.optimizers import TwiceSamplingDPKerasSGDOptimizer  # noqa: E402
 
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
@@ -69,11 +70,37 @@ def _config(batch: int, twice: bool,
         coordinate_sampling_rate=0.5 if twice else 1.0)
 
 
+# The configurations that need tensorflow-privacy's optimizers (Keras 2).
+NEEDS_TF_PRIVACY = ('tf_privacy vectorized', 'optimizer path q2=1')
+
+
+def _tf_privacy_vectorized():
+    """tf_privacy's vectorized optimizers module, imported on first use.
+
+    Goes through tf_twice.optimizers, which imports tensorflow-privacy where
+    it can work and otherwise raises an ImportError naming the fix.
+    """
+    optimizers.TwiceSamplingDPKerasSGDOptimizer  # pylint: disable=pointless-statement
+    return importlib.import_module(
+        'tensorflow_privacy.privacy.optimizers.dp_optimizer_keras_vectorized')
+
+
+def unavailable(name: str) -> Optional[str]:
+    """Why configuration ``name`` cannot run here; None when it can."""
+    if name not in NEEDS_TF_PRIVACY:
+        return None
+    try:
+        _tf_privacy_vectorized()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
 def _loss(per_example: bool):
-    reduction = (tf.keras.losses.Reduction.NONE if per_example
-                 else tf.keras.losses.Reduction.AUTO)
-    return tf.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=reduction)
+    # Reduction names that Keras 2 and Keras 3 both accept.
+    kwargs = {'reduction': 'none'} if per_example else {}
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                         **kwargs)
 
 
 def _dataset(batch: int, num_batches: int) -> tf.data.Dataset:
@@ -94,7 +121,7 @@ def build(name: str, batch: int) -> tf.keras.Model:
         return model
     if name == 'tf_privacy vectorized':
         model.compile(
-            optimizer=tfp_vectorized.VectorizedDPKerasSGDOptimizer(
+            optimizer=_tf_privacy_vectorized().VectorizedDPKerasSGDOptimizer(
                 l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
                 learning_rate=0.05),
             loss=_loss(True))
@@ -102,7 +129,7 @@ def build(name: str, batch: int) -> tf.keras.Model:
     if name == 'optimizer path q2=1':
         private = DPModel(model, physical_batch_size=batch)
         private.compile(
-            optimizer=TwiceSamplingDPKerasSGDOptimizer(
+            optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
                 _config(batch, twice=False), learning_rate=0.05),
             loss=_loss(False))
         return private
@@ -132,6 +159,13 @@ def throughput(args) -> Dict[str, Dict[str, float]]:
     fast = ['non-private fit', 'fast path q2=1',
             'fast path q2=0.5 linf=0.1', 'optimizer path q2=1']
     slow = [] if args.skip_slow else ['tf_privacy vectorized']
+    for name in fast + slow:
+        reason = unavailable(name)
+        if reason is not None:
+            print(textwrap.fill(f'  skipped {name}: {reason}', width=79,
+                                subsequent_indent='    '), flush=True)
+    fast = [name for name in fast if unavailable(name) is None]
+    slow = [name for name in slow if unavailable(name) is None]
     results: Dict[str, List[tuple]] = {}
     models = {}
     for name in fast + slow:
