@@ -224,9 +224,11 @@ def plot_map(path: str, cells: Sequence[Cell], comparison: str,
     epsilons, q2s, q1s, steps = _axes_values(cells)
     values = np.array([c.ratio(comparison) for c in cells], dtype=float)
     finite = values[np.isfinite(values)]
-    low = min(float(finite.min()) if finite.size else 0.5, 0.99)
-    high = max(float(finite.max()) if finite.size else 1.5, 1.01)
-    norm = colors.TwoSlopeNorm(vmin=low, vcenter=1.0, vmax=high)
+    # A log scale symmetric about 1: a ratio r and 1 / r get opposite
+    # colours of the same strength.
+    span = max(1.1, *(float(np.max(v)) for v in (finite, 1.0 / finite)
+                      if v.size))
+    norm = colors.LogNorm(vmin=1.0 / span, vmax=span)
     fig, axes = plt.subplots(len(q2s), len(epsilons), squeeze=False,
                              figsize=(3.3 * len(epsilons) + 1.0,
                                       2.9 * len(q2s) + 0.9))
@@ -254,9 +256,14 @@ def plot_map(path: str, cells: Sequence[Cell], comparison: str,
     fig.suptitle(f'{TITLES[comparison]}; delta = {cells[0].delta:g}, '
                  f'c_inf = c2/sqrt({d0:g}); blue: twice sampling adds less '
                  'noise', fontsize=9)
-    fig.tight_layout(rect=(0, 0, 0.93, 0.93))
+    fig.tight_layout(rect=(0, 0, 0.93, 0.95))
     bar = fig.add_axes((0.94, 0.12, 0.012, 0.7))
-    fig.colorbar(image, cax=bar).ax.tick_params(labelsize=7)
+    ticks = [t for t in (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
+             if 1.0 / span <= t <= span]
+    colorbar = fig.colorbar(image, cax=bar, ticks=ticks)
+    colorbar.ax.set_yticklabels([f'{100 * t:g} %' for t in ticks])
+    colorbar.ax.minorticks_off()
+    colorbar.ax.tick_params(labelsize=7)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
