@@ -1,7 +1,7 @@
 """Privacy accounting for twice sampling and hybrid clipping.
 
-Pure numpy, scipy and dp_accounting: importing it does not import TensorFlow
-(only building a privacy statement does, to call tf_privacy).
+Pure numpy, scipy and dp_accounting: neither importing it nor building a
+privacy statement imports TensorFlow or tf_privacy.
 
 * `twice_sampling_rdp`: the exact RDP of one step ([COORD] + [TWICE]).
 * `TwiceSampledGaussianDpEvent`, `TwiceSamplingRdpAccountant`: the
