@@ -1,4 +1,8 @@
-"""Tests of the twice-sampling Keras optimizers."""
+"""Tests of the twice-sampling Keras optimizers.
+
+The classes exist only with tensorflow-privacy on Keras 2; where they cannot,
+the module still imports and the names raise an ImportError naming the fix.
+"""
 
 import json
 
@@ -6,10 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import markers
 from tests import tiny_models
-from tensorflow_privacy.privacy.optimizers import (
-    dp_optimizer_keras_vectorized as tfp_vectorized)
-
 from tf_twice import optimizers
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel
@@ -27,6 +29,12 @@ _mlp = tiny_models.mlp
 
 
 _linear = tiny_models.linear
+
+
+def _tf_privacy_vectorized():
+    from tensorflow_privacy.privacy.optimizers import (  # pylint: disable=g-import-not-at-top
+        dp_optimizer_keras_vectorized)
+    return dp_optimizer_keras_vectorized
 
 
 def _vector_loss():
@@ -60,7 +68,9 @@ def _one_step(model, optimizer, x, y, sample_weight=None, fix_key=False):
     return [v.numpy() for v in model.trainable_variables]
 
 
+@markers.needs_tf_privacy_optimizers
 def test_matches_tf_privacy_vectorized_without_noise():
+    tfp_vectorized = _tf_privacy_vectorized()
     x, y = _data()
     model = _mlp()
     model.compile(optimizer=tfp_vectorized.VectorizedDPKerasSGDOptimizer(
@@ -104,6 +114,7 @@ def numpy_step(w, b, x, y, weights, masks, noise, c2, c_inf, z, exp_batch,
     return w - lr * update[:w.size].reshape(w.shape), b - lr * update[w.size:]
 
 
+@markers.needs_tf_privacy_optimizers
 def test_whole_step_matches_numpy_reference():
     x, y = _data(seed=1)
     c2, c_inf, z, exp_batch, q2, lr = 0.8, 0.2, 0.7, 5.0, 0.5, 0.3
@@ -127,6 +138,7 @@ def test_whole_step_matches_numpy_reference():
     np.testing.assert_allclose(b1, b_ref, rtol=1e-5, atol=1e-6)
 
 
+@markers.needs_tf_privacy_optimizers
 def test_sample_weight_zero_rows_are_padding():
     x, y = _data()
     kwargs = dict(config=_config(l2_norm_clip=0.5, linf_norm_clip=0.1,
@@ -142,6 +154,7 @@ def test_sample_weight_zero_rows_are_padding():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@markers.needs_tf_privacy_optimizers
 def test_minimize_on_a_batched_loss_is_refused():
     # A loss from one batched forward pass has no isolated per-example
     # gradients (0 * NaN = NaN in its backward pass): refused, naming the
@@ -156,6 +169,7 @@ def test_minimize_on_a_batched_loss_is_refused():
         opt.minimize(loss, model.trainable_variables, tape=tape)
 
 
+@markers.needs_tf_privacy_optimizers
 def test_gradient_accumulation_applies_the_mean_of_released_steps():
     # Every step is its own DP release; the weights move every k-th step by
     # the mean of the k released gradients (tf_privacy's semantics).
@@ -184,6 +198,7 @@ def test_gradient_accumulation_applies_the_mean_of_released_steps():
         np.testing.assert_array_equal(a, b.numpy())
 
 
+@markers.needs_tf_privacy_optimizers
 def test_gradient_accumulation_noise_std():
     # With zero gradients, two accumulation steps release two independent
     # noise draws of std z c2 / (B_exp q2); the update is their mean.
@@ -204,6 +219,7 @@ def test_gradient_accumulation_noise_std():
     assert abs(values.std() / sigma - 1) < 5 / np.sqrt(2 * values.size)
 
 
+@markers.needs_tf_privacy_optimizers
 def test_get_config_round_trip():
     config = TwiceSamplingConfig.single(
         num_examples=60_000, expected_batch_size=256, l2_norm_clip=1.5,
@@ -233,7 +249,9 @@ def test_get_config_round_trip():
     assert restored.config == config
 
 
+@markers.needs_tf_privacy_optimizers
 def test_subclasses_tf_privacy_classes():
+    tfp_vectorized = _tf_privacy_vectorized()
     assert issubclass(optimizers.TwiceSamplingDPKerasSGDOptimizer,
                       tfp_vectorized.VectorizedDPKerasSGDOptimizer)
     assert issubclass(optimizers.TwiceSamplingDPKerasAdagradOptimizer,
@@ -245,6 +263,7 @@ def test_subclasses_tf_privacy_classes():
         optimizers.make_twice_sampling_optimizer_class(dict)
 
 
+@markers.needs_tf_privacy_optimizers
 @pytest.mark.parametrize('kwargs, name', [
     (dict(gradient_accumulation_steps=0), 'gradient_accumulation_steps'),
     (dict(gradient_accumulation_steps=1.5), 'gradient_accumulation_steps'),
@@ -261,6 +280,7 @@ def test_invalid_arguments(kwargs, name):
         optimizers.TwiceSamplingDPKerasSGDOptimizer(**full)
 
 
+@markers.needs_tf_privacy_optimizers
 def test_apply_without_dp_gradients_is_refused():
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
         _config(expected_batch_size=4))
@@ -269,7 +289,7 @@ def test_apply_without_dp_gradients_is_refused():
         opt.apply_gradients([(tf.constant([1.0]), var)])
 
 
-
+@markers.needs_tf_privacy_optimizers
 def test_optimizer_with_a_basis_runs_the_hybrid_step():
     # Softmax regression: the optimizer's update equals the shared hybrid
     # step on the same per-example gradients and key.
@@ -303,6 +323,66 @@ def test_optimizer_with_a_basis_runs_the_hybrid_step():
     with pytest.raises(ValueError, match='built with basis'):
         optimizers.TwiceSamplingDPKerasSGDOptimizer(
             _config(expected_batch_size=4)).set_basis(basis)
+
+
+def _pretend(monkeypatch, keras_version, has_tf_privacy):
+    """Makes tf_twice.optimizers see another stack, with nothing built."""
+    for name in optimizers.__all__:
+        monkeypatch.delitem(optimizers.__dict__, name, raising=False)
+    monkeypatch.setattr(optimizers, '_keras_version', lambda: keras_version)
+    monkeypatch.setattr(optimizers, '_has_tf_privacy', lambda: has_tf_privacy)
+
+
+_KERAS_2_FIX = 'TF_USE_LEGACY_KERAS=1'
+_EXTRA_FIX = 'pip install "tf_twice[tf-privacy]"'
+
+
+@pytest.mark.parametrize('keras_version, has_tf_privacy, fixes, not_fixes', [
+    ('3.15.1', True, [_KERAS_2_FIX, 'Keras 3.15.1'], [_EXTRA_FIX]),
+    ('2.15.0', False, [_EXTRA_FIX, 'Python < 3.12'], [_KERAS_2_FIX]),
+    ('3.15.1', False, [_KERAS_2_FIX, _EXTRA_FIX], []),
+])
+@pytest.mark.parametrize('name', optimizers.__all__)
+def test_unusable_stack_raises_an_import_error_naming_the_fix(
+        monkeypatch, name, keras_version, has_tf_privacy, fixes, not_fixes):
+    _pretend(monkeypatch, keras_version, has_tf_privacy)
+    with pytest.raises(ImportError) as raised:
+        getattr(optimizers, name)
+    message = str(raised.value)
+    assert f'tf_twice.optimizers.{name}' in message
+    for fix in fixes + ['tf_twice.keras.DPModel(model, config)',
+                        'tf_twice.keras.make_private']:
+        assert fix in message
+    for fix in not_fixes:
+        assert fix not in message
+    # `from ... import` goes through the same path.
+    with pytest.raises(ImportError, match='tf_twice.keras.DPModel'):
+        exec(f'from tf_twice.optimizers import {name}', {})  # pylint: disable=exec-used
+    # Introspection does not run into the error, nor list the names.
+    assert name not in dir(optimizers)
+
+
+def test_unknown_names_are_attribute_errors():
+    with pytest.raises(AttributeError, match='NoSuchOptimizer'):
+        getattr(optimizers, 'NoSuchOptimizer')
+    assert not hasattr(optimizers, 'NoSuchOptimizer')
+
+
+def test_classes_exist_exactly_where_the_stack_allows():
+    # Unpatched: on this stack, either the classes work or the error names
+    # what is missing.
+    if markers.KERAS_MAJOR == 2 and markers.HAS_TF_PRIVACY:
+        cls = optimizers.TwiceSamplingDPKerasSGDOptimizer
+        assert issubclass(cls, tf.keras.optimizers.legacy.SGD)
+        assert 'TwiceSamplingDPKerasSGDOptimizer' in dir(optimizers)
+    else:
+        with pytest.raises(ImportError) as raised:
+            optimizers.TwiceSamplingDPKerasSGDOptimizer
+        message = str(raised.value)
+        if markers.KERAS_MAJOR != 2:
+            assert _KERAS_2_FIX in message
+        if not markers.HAS_TF_PRIVACY:
+            assert _EXTRA_FIX in message
 
 
 if __name__ == '__main__':

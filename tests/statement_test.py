@@ -1,26 +1,49 @@
-"""Tests of the privacy statement, its numbers and the command line."""
+"""Tests of the privacy statement, its numbers and the command line.
 
+The comparison with standard DP-SGD is checked against tf_privacy's
+`compute_dp_sgd_privacy` where tensorflow-privacy is installed, and
+everywhere against the subsampled Gaussian's RDP computed here from its
+binomial expansion.
+"""
+
+import importlib
+import importlib.util
 import math
 import re
 import subprocess
 import sys
 
 import pytest
-from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib
 
 from tf_twice.accounting import compute_twice_sampling_privacy
 from tf_twice.accounting import compute_twice_sampling_privacy_statement
 from tf_twice.accounting import epsilon_after_steps
 from tf_twice.accounting import noise_variance_ratio
+from tf_twice.accounting import statement
+
+needs_tf_privacy = pytest.mark.skipif(
+    importlib.util.find_spec('tensorflow_privacy') is None,
+    reason='compares with tensorflow-privacy, which is not installed')
+
+
+def _tf_privacy_compute_dp_sgd_privacy():
+    """tf_privacy's compute_dp_sgd_privacy (its package __init__ needs
+    tensorflow-estimator, gone since TensorFlow 2.16: skipped then)."""
+    if importlib.util.find_spec('tensorflow_estimator') is None:
+        sys.skip_tf_privacy_import = True
+    lib = importlib.import_module(
+        'tensorflow_privacy.privacy.analysis.compute_dp_sgd_privacy_lib')
+    return lib.compute_dp_sgd_privacy
 
 # tf_privacy's compute_dp_sgd_privacy orders (integer above 4.5).
 TF_PRIVACY_ORDERS = ([1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5]
                      + list(range(5, 64)) + [128, 256, 512])
 
 
+@needs_tf_privacy
 def test_without_coordinate_sampling_equals_tf_privacy():
     n, batch, z, epochs, delta = 60000, 256, 1.1, 60, 1e-5
-    theirs, their_order = compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy(
+    theirs, their_order = _tf_privacy_compute_dp_sgd_privacy()(
         n, batch, z, epochs, delta)
     ours, our_order = compute_twice_sampling_privacy(
         n, batch, z, epochs, delta, coordinate_sampling_rate=1.0,
@@ -40,6 +63,123 @@ def test_steps_follow_tf_privacy():
     assert eps == expected
 
 
+def _log_binomial(n, k):
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def _subsampled_gaussian_rdp_by_hand(q, z, order):
+    """RDP at an integer order of the Poisson-subsampled Gaussian with
+    sensitivity 1: log(sum_k C(a,k) (1-q)^(a-k) q^k exp(k(k-1)/(2 z^2)))
+    / (a-1) (arXiv:1908.10530, Section 3.3), summed in log space."""
+    terms = [_log_binomial(order, k) + (order - k) * math.log1p(-q)
+             + k * math.log(q) + k * (k - 1) / (2 * z * z)
+             for k in range(order + 1)] if q < 1 else [
+                 order * (order - 1) / (2 * z * z)]
+    top = max(terms)
+    log_a = top + math.log(sum(math.exp(t - top) for t in terms))
+    return log_a / (order - 1)
+
+
+def _epsilon_at_order(rdp, order, delta):
+    """(epsilon, delta)-DP from RDP at one order: arXiv:2004.00010,
+    Proposition 12."""
+    return rdp + math.log1p(-1 / order) - math.log(delta * order) / (order - 1)
+
+
+def _standard_epsilon_by_hand(q, z, steps, delta, orders=range(2, 64)):
+    """The best epsilon over integer orders, composed over `steps`."""
+    return min(_epsilon_at_order(
+        steps * _subsampled_gaussian_rdp_by_hand(q, z, a), a, delta)
+        for a in orders)
+
+
+# (q, z, steps, delta): DP-SGD settings across regimes (small and large q,
+# little and much noise, few and many steps).
+STANDARD_SETTINGS = [
+    (256 / 60000, 1.1, 14063, 1e-5),
+    (0.01, 0.8, 1000, 1e-5),
+    (0.02 * 0.5, 1.2, 2500, 1e-5),
+    (0.1, 2.0, 50, 1e-6),
+    (0.5, 5.0, 10, 1e-3),
+    (1.0, 10.0, 1, 1e-5),
+]
+
+
+@pytest.mark.parametrize('q, z, steps, delta', STANDARD_SETTINGS)
+def test_standard_epsilon_equals_the_binomial_expansion(q, z, steps, delta):
+    eps, order = statement.standard_dp_sgd_epsilon(
+        example_sampling_rate=q, noise_multiplier=z, steps=steps, delta=delta)
+    by_hand = _standard_epsilon_by_hand(q, z, steps, delta)
+    # tf_privacy's orders include fractional ones and 128..512: its minimum
+    # can only be lower than over integer orders 2..63, and where it is an
+    # integer order of that range both give the same number.
+    assert eps <= by_hand * (1 + 1e-9)
+    if order == int(order) and 2 <= order < 64:
+        assert eps == pytest.approx(_epsilon_at_order(
+            steps * _subsampled_gaussian_rdp_by_hand(q, z, int(order)),
+            int(order), delta), rel=1e-9)
+        assert eps == pytest.approx(by_hand, rel=1e-9)
+
+
+def test_standard_epsilon_hits_an_integer_order_and_grows_with_steps():
+    # The settings above are not all decided by a fractional or huge order:
+    # the equality branch of the test above runs.
+    orders = [statement.standard_dp_sgd_epsilon(
+        example_sampling_rate=q, noise_multiplier=z, steps=t, delta=d)[1]
+        for q, z, t, d in STANDARD_SETTINGS]
+    assert sum(2 <= o < 64 and o == int(o) for o in orders) >= 4
+    eps = [statement.standard_dp_sgd_epsilon(
+        example_sampling_rate=0.01, noise_multiplier=1.0, steps=t,
+        delta=1e-5)[0] for t in (10, 100, 1000)]
+    assert 0 < eps[0] < eps[1] < eps[2]
+
+
+@needs_tf_privacy
+@pytest.mark.parametrize('n, batch, z, epochs, delta', [
+    (60000, 256, 1.1, 60, 1e-5),
+    (50000, 500, 1.2, 25, 1e-5),
+    (10000, 100, 0.7, 3, 1e-6),
+    (1000, 500, 4.0, 2, 1e-3),
+])
+def test_standard_epsilon_equals_tf_privacy(n, batch, z, epochs, delta):
+    theirs, their_order = _tf_privacy_compute_dp_sgd_privacy()(
+        n, batch, z, epochs, delta)
+    ours, our_order = statement.standard_dp_sgd_epsilon(
+        example_sampling_rate=batch / n, noise_multiplier=z,
+        steps=math.ceil(epochs * n / batch), delta=delta)
+    assert ours == pytest.approx(theirs, rel=1e-12)
+    assert our_order == their_order
+
+
+@pytest.mark.parametrize('kwargs, name', [
+    (dict(example_sampling_rate=0.0), 'example_sampling_rate'),
+    (dict(example_sampling_rate=1.5), 'example_sampling_rate'),
+    (dict(noise_multiplier=-1.0), 'noise_multiplier'),
+    (dict(noise_multiplier=float('nan')), 'noise_multiplier'),
+    (dict(steps=0), 'steps'),
+    (dict(steps=2.5), 'steps'),
+    (dict(delta=0.0), 'delta'),
+])
+def test_standard_epsilon_bad_arguments(kwargs, name):
+    full = dict(example_sampling_rate=0.01, noise_multiplier=1.0, steps=10,
+                delta=1e-5)
+    full.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        statement.standard_dp_sgd_epsilon(**full)
+
+
+def test_statement_imports_no_tensorflow():
+    # The statement (and so the command line) needs dp_accounting only.
+    code = ('import sys; from tf_twice.accounting import statement; '
+            'statement.compute_twice_sampling_privacy_statement('
+            '1000, 10, 1, 1.0, 1e-5, 0.5); '
+            'bad = [m for m in ("tensorflow", "tensorflow_privacy") '
+            'if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)')
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def _numbers_after(label, text):
     match = re.search(re.escape(label) + r'[^0-9]*([0-9.]+)', text)
     assert match, f'{label!r} not in statement:\n{text}'
@@ -53,9 +193,9 @@ def test_statement_reports_the_accountants_numbers():
     eps, _ = compute_twice_sampling_privacy(n, batch, z, epochs, delta, q2,
                                             1.0, 0.1)
     assert _numbers_after('Epsilon with twice sampling:', text) == round(eps, 3)
-    standard, _ = compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy(
-        n, batch * q2, z, epochs * q2, delta)
-    assert _numbers_after('(by tensorflow_privacy):', text) == round(
+    standard = _standard_epsilon_by_hand(q=0.02 * q2, z=z, steps=2500,
+                                         delta=delta)
+    assert _numbers_after('(as tensorflow_privacy):', text) == round(
         standard, 3)
     ratio = _numbers_after('Noise-variance ratio at equal epsilon (', text
                            .replace(f'({eps:.3f}):', '(eps):'))

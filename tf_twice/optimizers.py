@@ -26,6 +26,15 @@ released sum by up to B * c2 instead of c2. ``minimize`` and
 every example's gradient in its own forward and backward pass (and in O(B)
 rather than O(B^2)).
 
+Availability: these classes subclass tensorflow-privacy's, which subclass
+Keras 2 (legacy) optimizers. ``from tf_twice import optimizers`` works on
+every supported stack; the names are built on first access and raise an
+``ImportError`` that names the fix where tensorflow-privacy is missing
+(``pip install "tf_twice[tf-privacy]"``, Python < 3.12) or Keras is Keras 3
+(TensorFlow 2.15, or ``tf-keras`` with ``TF_USE_LEGACY_KERAS=1``).
+``tf_twice.keras.DPModel(model, config)`` and ``tf_twice.keras.make_private``
+run the same mechanism without them.
+
 Privacy: with Poisson sampling of examples at rate q1 (expected batch size
 n * q1) and one optimizer update per logical batch, each update is the
 (q1, q2)-twice-sampled Gaussian mechanism with l2 bound c2 and l-infinity
@@ -34,12 +43,13 @@ theorem. The step keys that determine masks and noise are never saved with
 the optimizer (see ``tf_twice.mechanism.aggregator``).
 """
 
+import importlib
+import importlib.util
 import math
-from typing import Optional, Type
+import sys
+from typing import Any, Optional, Type
 
 import tensorflow as tf
-from tensorflow_privacy.privacy.optimizers import (
-    dp_optimizer_keras_vectorized as tfp_vectorized)
 
 from tf_twice import _validate
 from tf_twice import config as config_lib
@@ -53,18 +63,114 @@ __all__ = [
     'make_twice_sampling_optimizer_class',
 ]
 
-_LegacyOptimizer = tf.keras.optimizers.legacy.Optimizer
-
-# tf_privacy's own vectorized classes, reused so that isinstance checks
-# against them keep working.
-_TFP_VECTORIZED = {
-    tf.keras.optimizers.legacy.SGD:
-        tfp_vectorized.VectorizedDPKerasSGDOptimizer,
-    tf.keras.optimizers.legacy.Adam:
-        tfp_vectorized.VectorizedDPKerasAdamOptimizer,
-    tf.keras.optimizers.legacy.Adagrad:
-        tfp_vectorized.VectorizedDPKerasAdagradOptimizer,
+# Every public name derives from tensorflow-privacy, which is optional and
+# works only with Keras 2: the names are built on first access (module
+# ``__getattr__``), so that ``from tf_twice import optimizers`` works on every
+# supported stack and the failure, where there is one, says what to do.
+_CLASS_BASES = {
+    'TwiceSamplingDPKerasSGDOptimizer': 'SGD',
+    'TwiceSamplingDPKerasAdamOptimizer': 'Adam',
+    'TwiceSamplingDPKerasAdagradOptimizer': 'Adagrad',
 }
+
+_WITHOUT_TF_PRIVACY = (
+    'Without tensorflow-privacy and on Keras 3, train with '
+    'tf_twice.keras.DPModel(model, config) or tf_twice.keras.make_private('
+    'model, config, x, y, delta=...): the same mechanism and accounting, no '
+    'optimizer class needed.')
+
+
+def _keras_version() -> str:
+    """The version of the Keras that ``tf.keras`` is (keras or tf_keras)."""
+    package = tf.keras.Model.__module__.split('.')[0]
+    return str(getattr(importlib.import_module(package), '__version__', '?'))
+
+
+def _has_tf_privacy() -> bool:
+    """Whether tensorflow-privacy is installed (or already imported)."""
+    return ('tensorflow_privacy' in sys.modules
+            or importlib.util.find_spec('tensorflow_privacy') is not None)
+
+
+def _tf_privacy_import_error(name: str) -> Optional[str]:
+    """Why ``name`` cannot be built on this stack; None when it can."""
+    problems = []
+    keras_version = _keras_version()
+    if not keras_version.startswith('2.'):
+        problems.append(
+            f'it subclasses tensorflow-privacy\'s optimizers, which subclass '
+            f'Keras 2 (legacy) optimizers, and this TensorFlow '
+            f'{tf.__version__} runs Keras {keras_version}. Use Keras 2: '
+            f'TensorFlow 2.15, or TensorFlow >= 2.16 with `pip install '
+            f'tf-keras` and TF_USE_LEGACY_KERAS=1 set before TensorFlow is '
+            f'imported')
+    if not _has_tf_privacy():
+        problems.append(
+            'tensorflow-privacy is not installed: `pip install '
+            '"tf_twice[tf-privacy]"` (Python < 3.12 only: tensorflow-privacy '
+            '0.9.0, its last release, does not install on Python 3.12+; the '
+            'extra installs TensorFlow 2.15, i.e. Keras 2)')
+    if not problems:
+        return None
+    return (f'tf_twice.optimizers.{name} is not available: '
+            + '; and '.join(problems) + '. ' + _WITHOUT_TF_PRIVACY)
+
+
+def _tf_privacy_vectorized():
+    """tf_privacy's ``dp_optimizer_keras_vectorized`` module, imported now.
+
+    tensorflow-privacy's package ``__init__`` imports its TF1 parts, which
+    need tensorflow-estimator (gone since TensorFlow 2.16); where that is
+    missing, ``sys.skip_tf_privacy_import`` skips the ``__init__`` (the
+    optimizer modules do not need it).
+    """
+    problem = _tf_privacy_import_error('make_twice_sampling_optimizer_class')
+    if problem is not None:
+        raise ImportError(problem, name='tensorflow_privacy')
+    if ('tensorflow_privacy' not in sys.modules
+            and importlib.util.find_spec('tensorflow_estimator') is None):
+        sys.skip_tf_privacy_import = True
+    try:
+        return importlib.import_module(
+            'tensorflow_privacy.privacy.optimizers.'
+            'dp_optimizer_keras_vectorized')
+    except ImportError as e:
+        raise ImportError(
+            f'tf_twice.optimizers could not import tensorflow-privacy\'s '
+            f'vectorized Keras optimizers ({e}). They need tensorflow-privacy '
+            f'0.9.0 on Keras 2: `pip install "tf_twice[tf-privacy]"` on '
+            f'Python < 3.12. ' + _WITHOUT_TF_PRIVACY,
+            name='tensorflow_privacy') from e
+
+
+def __getattr__(name: str) -> Any:
+    """Builds the tf_privacy-derived names on first access (PEP 562)."""
+    if name == 'make_twice_sampling_optimizer_class':
+        problem = _tf_privacy_import_error(name)
+        if problem is not None:
+            raise ImportError(problem, name='tensorflow_privacy')
+        value = _make_twice_sampling_optimizer_class
+    elif name in _CLASS_BASES:
+        problem = _tf_privacy_import_error(name)
+        if problem is not None:
+            raise ImportError(problem, name='tensorflow_privacy')
+        value = _make_twice_sampling_optimizer_class(
+            getattr(tf.keras.optimizers.legacy, _CLASS_BASES[name]))
+    else:
+        raise AttributeError(
+            f'module {__name__!r} has no attribute {name!r}')
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    # The lazy names are listed only where they can be built, so that
+    # dir()-driven introspection does not run into the ImportError.
+    names = set(globals())
+    if _tf_privacy_import_error('') is None:
+        names.update(__all__)
+    return sorted(names)
+
 
 _ACC_SLOT = 'dp_clipped_sum'
 
@@ -80,8 +186,7 @@ _BATCHED_LOSS_REFUSAL = (
     'model.compile(optimizer={name}(config, ...), loss=...).')
 
 
-def make_twice_sampling_optimizer_class(
-        cls: Type[_LegacyOptimizer]) -> Type[_LegacyOptimizer]:
+def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
     """Returns a twice-sampling DP subclass of the Keras optimizer ``cls``.
 
     Args:
@@ -92,11 +197,19 @@ def make_twice_sampling_optimizer_class(
     Returns:
       The class ``TwiceSamplingDPKeras<cls.__name__>Optimizer``.
     """
-    if not (isinstance(cls, type) and issubclass(cls, _LegacyOptimizer)):
+    tfp_vectorized = _tf_privacy_vectorized()
+    legacy = tf.keras.optimizers.legacy
+    if not (isinstance(cls, type) and issubclass(cls, legacy.Optimizer)):
         raise ValueError(
             'cls must be a subclass of tf.keras.optimizers.legacy.Optimizer '
             f'(e.g. tf.keras.optimizers.legacy.SGD), got {cls!r}.')
-    base = _TFP_VECTORIZED.get(cls)
+    # tf_privacy's own vectorized classes, reused so that isinstance checks
+    # against them keep working.
+    base = {
+        legacy.SGD: tfp_vectorized.VectorizedDPKerasSGDOptimizer,
+        legacy.Adam: tfp_vectorized.VectorizedDPKerasAdamOptimizer,
+        legacy.Adagrad: tfp_vectorized.VectorizedDPKerasAdagradOptimizer,
+    }.get(cls)
     if base is None:
         base = tfp_vectorized.make_vectorized_keras_optimizer_class(cls)
     class_name = f'TwiceSamplingDPKeras{cls.__name__}Optimizer'
@@ -294,10 +407,3 @@ def make_twice_sampling_optimizer_class(
     return tf.keras.utils.register_keras_serializable(package='tf_twice')(
         TwiceSamplingOptimizer)
 
-
-TwiceSamplingDPKerasSGDOptimizer = make_twice_sampling_optimizer_class(
-    tf.keras.optimizers.legacy.SGD)
-TwiceSamplingDPKerasAdamOptimizer = make_twice_sampling_optimizer_class(
-    tf.keras.optimizers.legacy.Adam)
-TwiceSamplingDPKerasAdagradOptimizer = make_twice_sampling_optimizer_class(
-    tf.keras.optimizers.legacy.Adagrad)

@@ -2,17 +2,19 @@
 
 Mirrors tensorflow_privacy's `compute_dp_sgd_privacy` and
 `compute_dp_sgd_privacy_statement` (same arguments, plus the coordinate
-sampling rate and the clip norms). The comparison with standard DP-SGD calls
-tf_privacy's own function, so this module imports TensorFlow lazily, only
-when a statement is built.
+sampling rate and the clip norms). The comparison with standard DP-SGD is
+computed as tf_privacy's `compute_dp_sgd_privacy` computes it (the same
+dp_accounting event, orders and conversion), with dp_accounting alone: no
+TensorFlow, no tensorflow-privacy.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import textwrap
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
+
+import dp_accounting
 
 from tf_twice.accounting import blocks as blocks_lib
 from tf_twice.accounting import calibration
@@ -88,33 +90,41 @@ def compute_twice_sampling_privacy(
         orders=orders, conversion=conversion)
 
 
-def _tf_privacy_dp_sgd_epsilon(n: int, q: float, noise_multiplier: float,
-                               steps: int, delta: float) -> float:
-    """Epsilon of standard DP-SGD (Poisson rate q, `steps` steps) computed by
-    tf_privacy's `compute_dp_sgd_privacy`."""
-    from absl import logging  # pylint: disable=g-import-not-at-top
-    from tensorflow_privacy.privacy.analysis import (  # pylint: disable=g-import-not-at-top
-        compute_dp_sgd_privacy_lib)
-    batch_size = q * n
-    epochs = steps * q
-    # tf_privacy recomputes steps as ceil(epochs * n / batch_size); step back
-    # from a rounding that would add one.
-    while _steps(n, batch_size, epochs) > steps:
-        epochs = math.nextafter(epochs, 0.0)
-    with _quiet_absl(logging):  # It logs a deprecation notice every call.
-        eps, _ = compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy(
-            n, batch_size, noise_multiplier, epochs, delta)
-    return float(eps)
+# The RDP orders of tf_privacy's `compute_dp_sgd_privacy` (0.9.0).
+STANDARD_DP_SGD_ORDERS = (
+    (1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5)
+    + tuple(range(5, 64)) + (128, 256, 512))
 
 
-@contextlib.contextmanager
-def _quiet_absl(logging):
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity(logging.ERROR)
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
+def standard_dp_sgd_epsilon(*, example_sampling_rate: float,
+                            noise_multiplier: float, steps: int,
+                            delta: float) -> Tuple[float, float]:
+    """(epsilon, optimal order) of standard DP-SGD, as tf_privacy reports it.
+
+    The Poisson-subsampled Gaussian mechanism (sampling rate q, noise
+    multiplier z, l2 sensitivity 1, add-or-remove adjacency) composed
+    `steps` times, with dp_accounting's `RdpAccountant` over tf_privacy's
+    orders (`STANDARD_DP_SGD_ORDERS`) and its conversion to (epsilon, delta):
+    the computation of tf_privacy's `compute_dp_sgd_privacy`, here with the
+    step count given directly instead of recomputed from epochs (the RDP of
+    the subsampled Gaussian: Mironov, Talwar and Zhang, arXiv:1908.10530).
+    """
+    q = blocks_lib.check_rate('example_sampling_rate', example_sampling_rate)
+    z = float(noise_multiplier)
+    if not (math.isfinite(z) and z >= 0):
+        raise ValueError(
+            'noise_multiplier must be finite and >= 0; got '
+            f'{noise_multiplier}.')
+    steps = blocks_lib.check_steps('steps', steps)
+    delta = blocks_lib.check_delta(delta)
+    accountant = dp_accounting.rdp.RdpAccountant(list(STANDARD_DP_SGD_ORDERS))
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(
+            sampling_probability=q,
+            event=dp_accounting.GaussianDpEvent(z)),
+        steps))
+    eps, order = accountant.get_epsilon_and_optimal_order(delta)
+    return float(eps), float(order)
 
 
 def noise_variance_ratio(
@@ -278,7 +288,8 @@ def compute_twice_sampling_privacy_statement(
     several blocks). tf_twice clips every example on its own, so
     `used_microbatching` must be False (True raises ValueError). The report
     gives epsilon under Poisson sampling, the epsilon of standard DP-SGD with
-    Poisson sampling at q1 * q2 and the same noise (computed by tf_privacy),
+    Poisson sampling at q1 * q2 and the same noise (computed as tf_privacy's
+    `compute_dp_sgd_privacy` does, `standard_dp_sgd_epsilon`),
     and the noise-variance ratio at equal epsilon.
 
     Several blocks (hybrid clipping: principal blocks, then the residual)
@@ -303,7 +314,9 @@ def compute_twice_sampling_privacy_statement(
         linf_norm_clip, block_dimensions=block_dimensions,
         conversion=conversion)
     z_eff = blocks.effective_noise_multiplier()
-    eps_standard = _tf_privacy_dp_sgd_epsilon(n, q1 * q2, z_eff, steps, delta)
+    eps_standard, _ = standard_dp_sgd_epsilon(
+        example_sampling_rate=q1 * q2, noise_multiplier=z_eff, steps=steps,
+        delta=delta)
 
     d0 = tuple((c / ci) ** 2 for c, ci in zip(blocks.l2_norm_clips,
                                                 blocks.linf_norm_clips))
@@ -336,7 +349,7 @@ def compute_twice_sampling_privacy_statement(
         + f'\n    Epsilon with twice sampling:{eps:>37.3f}'
         f'  (RDP order {order:g})'
         + f'\n    Epsilon of standard DP-SGD with Poisson sampling at q1*q2 ='
-        f' {q1 * q2:.6g}\n    and the same noise (by tensorflow_privacy):'
+        f' {q1 * q2:.6g}\n    and the same noise (as tensorflow_privacy):'
         f'{eps_standard:>22.3f}')
     # The single-noise comparison is meaningful for one block; several blocks
     # get per-block noise from `optimize_block_noise` instead.
