@@ -30,7 +30,7 @@ from typing import Any, List, Optional, Tuple
 __all__ = ['KERAS_PACKAGE', 'KERAS_VERSION', 'KERAS_MAJOR', 'IS_KERAS_3',
            'NO_REDUCTION', 'problem', 'is_no_reduction',
            'steps_per_execution', 'is_legacy_optimizer', 'compiled_metrics',
-           'WEIGHTS_SUFFIX']
+           'state_from_adapt', 'WEIGHTS_SUFFIX']
 
 _TRUE = ('true', 'True', '1')  # TensorFlow's reading of TF_USE_LEGACY_KERAS.
 
@@ -202,3 +202,30 @@ def compiled_metrics(model: Any) -> List[Any]:
         return [] if metrics is None else [metrics]
     metrics = getattr(model, 'compiled_metrics', None)
     return [] if metrics is None else list(metrics.metrics)
+
+
+def state_from_adapt(layer: Any) -> bool:
+    """Whether ``layer`` holds statistics or a vocabulary from ``adapt()``.
+
+    Keras 2's preprocessing layers say so (``is_adapted``). Keras 3's keep no
+    record of ``adapt()``: there a layer that has ``adapt`` takes its state
+    from it unless its parameters were given to the constructor
+    (``Normalization(mean=..., variance=...)``, ``IntegerLookup`` /
+    ``StringLookup(vocabulary=...)``, ``Discretization(bin_boundaries=...)``;
+    ``TextVectorization`` is judged by its lookup layer), and a layer with
+    ``adapt`` that is none of these counts as adapted (its state cannot be
+    told apart from data).
+    """
+    if not IS_KERAS_3:
+        return getattr(layer, 'is_adapted', False) is True
+    if not callable(getattr(layer, 'adapt', None)):
+        return False
+    if hasattr(layer, 'input_mean'):  # Normalization.
+        return layer.input_mean is None
+    if hasattr(layer, '_has_input_vocabulary'):  # The lookup layers.
+        return not layer._has_input_vocabulary  # pylint: disable=protected-access
+    if hasattr(layer, 'num_bins') and hasattr(layer, 'bin_boundaries'):
+        return layer.num_bins is not None  # Discretization: quantiles.
+    if hasattr(layer, '_lookup_layer'):  # TextVectorization.
+        return state_from_adapt(layer._lookup_layer)  # pylint: disable=protected-access
+    return True

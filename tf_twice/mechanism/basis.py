@@ -50,6 +50,8 @@ import numpy as np
 from scipy import linalg
 import tensorflow as tf
 
+from tf_twice import _keras
+
 __all__ = [
     'BasisRefresh',
     'DEFAULT_ORTHONORMALITY_TOLERANCE',
@@ -835,7 +837,7 @@ def group_matrices(per_variable: Sequence[ArrayLike],
 def _per_example_loss(loss) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
     if isinstance(loss, tf.keras.losses.Loss):
         config = loss.get_config()
-        config['reduction'] = tf.keras.losses.Reduction.NONE
+        config['reduction'] = _keras.NO_REDUCTION
         return type(loss).from_config(config)
     if callable(loss):
         return loss
