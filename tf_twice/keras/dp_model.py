@@ -516,6 +516,21 @@ class DPModel(tf.keras.Model):
         if basis is not None and self.inner_model.built:
             hybrid.check_basis_matches_variables(
                 basis, self.inner_model.trainable_variables)
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        """Creates the optimizer's variables (step count, slots) for the
+        wrapped model's weights, so that weights loaded before the first
+        step (``load_weights``, ``.keras``, ``BackupAndRestore``) restore
+        the optimizer's state too: Keras skips the state of an optimizer
+        that has no variables yet."""
+        if not self.inner_model.built:
+            return
+        variables = self.inner_model.trainable_variables
+        if _keras.is_legacy_optimizer(self.optimizer):
+            self.optimizer._create_all_weights(variables)  # pylint: disable=protected-access
+        else:
+            self.optimizer.build(variables)
 
     def get_compile_config(self) -> Optional[Dict[str, Any]]:
         """The arguments of ``compile`` (Keras's record of them), so that a
@@ -524,16 +539,9 @@ class DPModel(tf.keras.Model):
 
     def compile_from_config(self, config: Dict[str, Any]) -> None:
         """Compiles from ``get_compile_config()`` when a ``.keras`` file is
-        loaded, and creates the optimizer's variables so that its saved
-        state (step count, slots) is restored with the weights."""
+        loaded (``compile`` creates the optimizer's variables, so that its
+        saved state is restored with the weights)."""
         self.compile(**tf.keras.utils.deserialize_keras_object(config))
-        if self.inner_model.built:
-            variables = self.inner_model.trainable_variables
-            build = getattr(self.optimizer, 'build', None)
-            if callable(build):
-                build(variables)
-            else:  # A legacy (Keras 2) optimizer, e.g. a tf_twice DP one.
-                self.optimizer._create_all_weights(variables)  # pylint: disable=protected-access
 
     def _legacy_optimizer_weights(self) -> Optional[List[tf.Variable]]:
         # Keras's .keras format saves only non-legacy optimizers; the state of
