@@ -142,6 +142,28 @@ def test_a_plain_models_steps_are_charged_before_they_run(
     assert ledger.steps == 4 == int(model.optimizer.iterations)
 
 
+@pytest.mark.parametrize('dp', [False, True])
+def test_exhausted_budget_with_metrics_no_step_has_built(dp):
+    # Keras 3 builds compiled metrics at the first step: a fit that runs
+    # no step must still end cleanly, and the next one train.
+    if dp:
+        model = _dp_model()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse',
+                      metrics=['mae'])
+        ledger = PrivacyLedger.for_model(model, delta=DELTA, max_steps=0)
+    else:
+        model = _model()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse',
+                      metrics=['mae'])
+        ledger = PrivacyLedger(EVENT, DELTA, max_steps=0)
+    model.fit(_data(), epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 0 == int(model.optimizer.iterations)
+    assert 'get_metrics_result' not in vars(model)  # Restored.
+    history = model.fit(_data(steps=2), epochs=1, verbose=0)
+    assert int(model.optimizer.iterations) == 2
+    assert any('mae' in key for key in history.history)
+
+
 def test_steps_per_execution_stops_at_a_multiple():
     target = _target_between(7)
     model = _model(steps_per_execution=3)

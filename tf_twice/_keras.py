@@ -25,12 +25,12 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ['KERAS_PACKAGE', 'KERAS_VERSION', 'KERAS_MAJOR', 'IS_KERAS_3',
            'NO_REDUCTION', 'problem', 'is_no_reduction',
            'steps_per_execution', 'is_legacy_optimizer', 'compiled_metrics',
-           'state_from_adapt', 'WEIGHTS_SUFFIX']
+           'metric_results', 'state_from_adapt']
 
 _TRUE = ('true', 'True', '1')  # TensorFlow's reading of TF_USE_LEGACY_KERAS.
 
@@ -163,9 +163,6 @@ IS_KERAS_3 = KERAS_MAJOR >= 3
 # A Keras loss reduction that keeps one value per example: Keras 2's
 # ``Reduction.NONE`` is this string, Keras 3 takes it (or None).
 NO_REDUCTION = 'none'
-# The suffix ``save_weights`` needs for a Keras-format weights file (Keras 3
-# refuses any other; Keras 2 writes the same HDF5 format for it).
-WEIGHTS_SUFFIX = '.weights.h5'
 
 
 def is_no_reduction(reduction: Any) -> bool:
@@ -202,6 +199,22 @@ def compiled_metrics(model: Any) -> List[Any]:
         return [] if metrics is None else [metrics]
     metrics = getattr(model, 'compiled_metrics', None)
     return [] if metrics is None else list(metrics.metrics)
+
+
+def metric_results(model: Any) -> Dict[str, Any]:
+    """``model.get_metrics_result()`` without the metrics that no step has
+    built yet (Keras 3 builds the compiled metrics at the first step; until
+    then they have no result)."""
+    results = {}
+    for metric in model.metrics:
+        if getattr(metric, 'built', True) is False:
+            continue
+        result = metric.result()
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    return results
 
 
 def state_from_adapt(layer: Any) -> bool:

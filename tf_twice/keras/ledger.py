@@ -645,14 +645,14 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         def blocked_train_function(unused_iterator):
             # No step, no weight update, nothing read from the data; the
             # logs keep their keys (metrics as they stand).
-            try:
-                return model.get_metrics_result()
-            except Exception:  # pylint: disable=broad-except
-                return {}
+            return _keras.metric_results(model)
 
         blocked_train_function.original = original
         self._blocked = blocked_train_function
         model.train_function = blocked_train_function
+        # Keras reads the metrics again at the epoch's end: those that no
+        # step has built (Keras 3, before the first step) have no result.
+        model.get_metrics_result = lambda: _keras.metric_results(model)
 
     def _unblock(self) -> None:
         model = self.model
@@ -661,6 +661,8 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         if original is not None and getattr(
                 current, '__name__', '') == 'blocked_train_function':
             model.train_function = original
+        if 'get_metrics_result' in vars(model):
+            del model.get_metrics_result  # The class's method again.
         self._blocked = None
 
     def _stop(self, k: int) -> None:
