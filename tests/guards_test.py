@@ -151,7 +151,7 @@ def test_check_no_example_mixing_rejects_non_models():
 
 @pytest.mark.parametrize('loss', [
     tf.keras.losses.SparseCategoricalCrossentropy(
-        reduction=tf.keras.losses.Reduction.NONE),
+        reduction='none'),
     tf.keras.losses.MeanSquaredError(reduction='none'),
     'sparse_categorical_crossentropy',
     'categorical_crossentropy',
@@ -163,6 +163,13 @@ def test_check_no_example_mixing_rejects_non_models():
 ])
 def test_per_example_losses_pass(loss):
     guards.check_per_example_loss(loss)
+
+
+@pytest.mark.skipif(markers.KERAS_MAJOR == 2,
+                    reason='reduction=None is Keras 3\'s "none"')
+def test_keras_3_reduction_none_is_per_example():
+    guards.check_per_example_loss(
+        tf.keras.losses.SparseCategoricalCrossentropy(reduction=None))
 
 
 @pytest.mark.parametrize('loss, match', [
@@ -188,7 +195,7 @@ def test_custom_loss_class_with_none_reduction_is_probed():
 
     with pytest.raises(ValueError, match='reduced'):
         guards.check_per_example_loss(
-            Sneaky(reduction=tf.keras.losses.Reduction.NONE))
+            Sneaky(reduction='none'))
 
 
 def test_loss_probe_with_user_batches():
