@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 __all__ = ['KERAS_PACKAGE', 'KERAS_VERSION', 'KERAS_MAJOR', 'IS_KERAS_3',
            'NO_REDUCTION', 'problem', 'is_no_reduction',
            'steps_per_execution', 'is_legacy_optimizer', 'compiled_metrics',
-           'metric_results', 'state_from_adapt']
+           'update_compiled_metrics', 'metric_results', 'state_from_adapt']
 
 _TRUE = ('true', 'True', '1')  # TensorFlow's reading of TF_USE_LEGACY_KERAS.
 
@@ -199,6 +199,22 @@ def compiled_metrics(model: Any) -> List[Any]:
         return [] if metrics is None else [metrics]
     metrics = getattr(model, 'compiled_metrics', None)
     return [] if metrics is None else list(metrics.metrics)
+
+
+def update_compiled_metrics(model: Any, y: Any, y_pred: Any,
+                            sample_weight: Any = None) -> None:
+    """Updates the metrics of ``compile(metrics=...)`` (not the loss), also
+    inside a ``tf.while_loop`` under a distribution strategy.
+
+    Keras 3: ``model.compute_metrics``. Keras 2's ``compute_metrics`` also
+    reads every result, a cross-replica synchronisation that a loop body
+    cannot hold under a strategy: there only ``compiled_metrics`` are
+    updated.
+    """
+    if IS_KERAS_3:
+        model.compute_metrics(None, y, y_pred, sample_weight)
+    else:
+        model.compiled_metrics.update_state(y, y_pred, sample_weight)
 
 
 def metric_results(model: Any) -> Dict[str, Any]:

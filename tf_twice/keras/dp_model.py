@@ -624,12 +624,34 @@ class DPModel(tf.keras.Model):
             guards.check_ledger_event(ledger.event, self)
             _check_poisson_input(x, self.config,
                                  strict=not allow_non_poisson_input)
-        if isinstance(x, tf.data.Dataset) and len(args) < 3:
+        is_dataset = isinstance(x, tf.data.Dataset)
+        if is_dataset and len(args) < 3:
             # Each element is one logical batch: there is nothing to
             # shuffle (Keras 3 warns about its default shuffle=True).
             kwargs.setdefault('shuffle', False)
-        return super().fit(x, y, batch_size, epochs, verbose, callbacks,
-                           *args, **kwargs)
+        object.__setattr__(self, '_fit_element_spec',
+                           x.element_spec if is_dataset else None)
+        try:
+            return super().fit(x, y, batch_size, epochs, verbose, callbacks,
+                               *args, **kwargs)
+        finally:
+            object.__setattr__(self, '_fit_element_spec', None)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras 3's build of metrics, loss and optimizer before training
+        under a distribution strategy, from the dataset's element spec.
+
+        Keras pulls the first batch and reduces it over the replicas only
+        to learn its shapes: that fails for a logical batch split into
+        shares of unequal size, and under MultiWorkerMirroredStrategy. The
+        spec gives the same shapes without reading data. (Keras 2 never
+        calls this.)
+        """
+        spec = getattr(self, '_fit_element_spec', None)
+        if iterator is not None and data_batch is None and spec is not None:
+            iterator, data_batch = None, spec
+        return super()._maybe_symbolic_build(iterator=iterator,
+                                             data_batch=data_batch)
 
     def train_on_batch(self, *args, **kwargs):
         """Refused: no ledger sees these steps and no check sees their input.
@@ -707,8 +729,7 @@ class DPModel(tf.keras.Model):
 
         Keras applies sample weights only to ``weighted_metrics``, so zero-
         weight (padding) rows are removed rather than down-weighted. The loss
-        is the weighted mean of the per-example losses; the compiled metrics
-        are updated by Keras's ``compute_metrics``.
+        is the weighted mean of the per-example losses.
         """
         real = weights > 0
         self._example_loss_tracker.update_state(
@@ -717,8 +738,8 @@ class DPModel(tf.keras.Model):
         y_real = tf.boolean_mask(y, real)
         predictions = tf.nest.map_structure(
             lambda t: tf.boolean_mask(t, real), predictions)
-        self.compute_metrics(
-            None, y_real, predictions,
+        _keras.update_compiled_metrics(
+            self, y_real, predictions,
             tf.boolean_mask(weights, real) if weighted else None)
 
     def _apply_update(self, update, variables) -> None:
