@@ -41,12 +41,15 @@ so a seeded run is for experiments only; leave `--seed` unset (OS entropy)
 for a release that relies on the guarantee.
 
 Checkpoints: with `--checkpoint_dir` the model and its optimizer are saved
-after every epoch (TensorFlow checkpoint `ckpt`; it holds no random state,
-so the noise cannot be recomputed from it; a resumed run draws fresh masks
-and noise, also with `--seed`, whose stream depends on the restored
-weights), the
-ledger's state file `privacy_ledger.json` is kept beside them, and `run.json`
-records the run's kind (and, for hybrid, its per-block clips and noise).
+after every epoch (`ckpt.weights.h5`, the Keras weights format that Keras 2
+and Keras 3 both read and write; written to a temporary file that then
+replaces the previous checkpoint, so a crash mid-save keeps the last one
+whole; it holds no random state, so the noise cannot be recomputed from
+it; a resumed run draws fresh masks and noise, also with `--seed`, whose
+stream depends on the restored weights), the ledger's state file
+`privacy_ledger.json` is kept beside them (written before the checkpoint,
+and ahead of the steps), and `run.json` records the run's kind (and, for
+hybrid, its per-block clips and noise).
 Running the same command again resumes: it restores the latest checkpoint,
 continues the ledger (privacy already spent is never reset; steps of a
 changed setting are composed with the earlier ones) and trains the steps
@@ -137,7 +140,9 @@ DEFAULT_D0 = 100.0
 DEFAULT_PUBLIC_EXAMPLES = 200
 DEFAULT_RANKS = (16,)
 LEDGER_FILENAME = 'privacy_ledger.json'
-CHECKPOINT_NAME = 'ckpt'
+# Keras's weights format (optimizer state included) on Keras 2 and 3.
+CHECKPOINT_NAME = 'ckpt.weights.h5'
+_CHECKPOINT_TEMPORARY = 'ckpt.saving.weights.h5'
 RUN_FILENAME = 'run.json'
 # Flags that must not change when a run is resumed from --checkpoint_dir.
 _RESUME_KEYS = ('mode', 'dataset', 'data_path', 'model', 'public_examples')
@@ -762,6 +767,12 @@ def _check_resume(config: TrainConfig, checkpoint_dir: str,
                     f'--{key}={previous.get(key)!r}; resuming it needs the '
                     f'same value (got {getattr(config, key)!r}), or use a new '
                     '--checkpoint_dir.')
+    if not has_checkpoint and tf.train.latest_checkpoint(checkpoint_dir):
+        raise ValueError(
+            f'--checkpoint_dir={checkpoint_dir!r} holds a TensorFlow-format '
+            f'checkpoint; this version saves and resumes {CHECKPOINT_NAME} '
+            '(Keras 3 cannot read the older format). Resume it with the '
+            'version that wrote it, or use a new --checkpoint_dir.')
     if (config.mode in PRIVATE_MODES and has_checkpoint and not has_ledger):
         raise ValueError(
             f'--checkpoint_dir={checkpoint_dir!r} holds a checkpoint but no '
@@ -786,6 +797,28 @@ def _write_run_file(config: TrainConfig, plan: Plan,
         json.dump(record, f, indent=1, sort_keys=True)
 
 
+class _EpochCheckpoint(tf.keras.callbacks.Callback):
+    """Saves the weights and optimizer state after every epoch, atomically.
+
+    Keras writes a temporary file in the same directory, which is synced
+    and then replaces the checkpoint (``os.replace``): a crash mid-save
+    leaves the previous checkpoint whole. List it after the ledger, which
+    writes its state first.
+    """
+
+    def __init__(self, path: str):
+        super().__init__()
+        self._path = path
+        self._temporary = os.path.join(os.path.dirname(path),
+                                       _CHECKPOINT_TEMPORARY)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.save_weights(self._temporary)
+        with open(self._temporary, 'rb+') as f:
+            os.fsync(f.fileno())
+        os.replace(self._temporary, self._path)
+
+
 class _StopAfterSteps(tf.keras.callbacks.Callback):
     """Stops `fit` after a number of steps (mid-epoch if needed)."""
 
@@ -802,7 +835,7 @@ class _StopAfterSteps(tf.keras.callbacks.Callback):
 
 def _per_example_loss() -> tf.keras.losses.Loss:
     return tf.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+        from_logits=True, reduction='none')
 
 
 def _basis_kwargs(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
@@ -954,8 +987,7 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
         checkpoint_path = os.path.join(config.checkpoint_dir,
                                        CHECKPOINT_NAME)
         ledger_path = os.path.join(config.checkpoint_dir, LEDGER_FILENAME)
-        has_checkpoint = tf.train.latest_checkpoint(
-            config.checkpoint_dir) is not None
+        has_checkpoint = os.path.exists(checkpoint_path)
         _check_resume(config, config.checkpoint_dir, has_checkpoint,
                       os.path.exists(ledger_path))
 
@@ -981,12 +1013,12 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
             model, delta=plan.delta, target_epsilon=plan.target_epsilon,
             max_steps=plan.planned_steps, state_path=ledger_path,
             log_dir=config.tensorboard_dir, verbose=config.verbose)
-    restored = None
     if has_checkpoint:
         # Weights and optimizer state; the step keys are never saved (a
         # seeded stream depends on the restored weights: no replay).
-        restored = model.load_weights(
-            tf.train.latest_checkpoint(config.checkpoint_dir))
+        # Keras restores an optimizer's state only into existing variables.
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(checkpoint_path)
         if basis is not None:
             # The basis is not checkpointed: relearn it from the PUBLIC
             # split at the restored weights (same structure, same event).
@@ -1002,9 +1034,6 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
         done = int(model.optimizer.iterations.numpy()) if has_checkpoint \
             else 0
     remaining = max(0, plan.planned_steps - done)
-    if restored is not None and remaining == 0:
-        # No step will create the optimizer's slots; nothing is missing.
-        restored.expect_partial()
     per_iteration = max(1, min(plan.steps_per_epoch, remaining))
     epochs = max(1, int(math.ceil(remaining / per_iteration)))
 
@@ -1048,8 +1077,7 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
         callbacks.append(tf.keras.callbacks.TensorBoard(
             config.tensorboard_dir, update_freq='epoch'))
     if checkpoint_path is not None:
-        callbacks.append(tf.keras.callbacks.ModelCheckpoint(
-            checkpoint_path, save_weights_only=True, save_freq='epoch'))
+        callbacks.append(_EpochCheckpoint(checkpoint_path))
     return Run(config=config, plan=plan, data=data, model=model,
                inner_model=inner, dataset=dataset, callbacks=callbacks,
                ledger=ledger, done_steps=done, remaining_steps=remaining,
@@ -1121,9 +1149,12 @@ def train(config: Any, data: Optional[Data] = None) -> Dict[str, Any]:
             run.model.fit(run.dataset, epochs=run.epochs,
                           callbacks=run.callbacks, verbose=config.verbose)
         else:
+            # The dataset shuffles itself (Keras 3 warns about its own
+            # default shuffle=True for a dataset).
             run.model.fit(run.dataset, epochs=run.epochs,
                           steps_per_epoch=run.steps_per_iteration,
-                          callbacks=run.callbacks, verbose=config.verbose)
+                          callbacks=run.callbacks, verbose=config.verbose,
+                          shuffle=False)
     seconds = time.time() - start
     steps = int(run.model.optimizer.iterations.numpy()) - iterations_before
     test_loss, test_accuracy = evaluate(run.model, run.data)

@@ -6,6 +6,10 @@ searched for the step-key stream's state; restores of one checkpoint must
 draw independent noise, a seeded model restored from any artifact must not
 replay the seed's noise, and only the explicit secret run-state file
 reproduces a seeded stream.
+
+Keras 3 writes no TF-format or plain ``.h5`` weights (those kinds are Keras
+2's); its SavedModel is ``Model.export``; ``tf.train.Checkpoint`` and the
+Keras formats are tested on both.
 """
 
 import copy
@@ -18,6 +22,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import markers
 from tests import tiny_models
 
 from tf_twice import optimizers
@@ -89,7 +94,11 @@ def _save(dp, kind, directory):
         dp.save(path)
     elif kind == 'saved_model':
         path = os.path.join(directory, 'saved_model')
-        dp.save(path, save_format='tf')
+        if markers.KERAS_MAJOR == 2:
+            dp.save(path, save_format='tf')
+        else:
+            dp.export(path, input_signature=[tf.TensorSpec(
+                [None, tiny_models.NUM_FEATURES], tf.float32)])
     elif kind == 'optimizer_checkpoint':
         path = os.path.join(directory, 'opt')
         tf.train.Checkpoint(optimizer=dp.optimizer, model=dp).write(path)
@@ -97,11 +106,34 @@ def _save(dp, kind, directory):
     return path
 
 
-ARTIFACTS = ['tf_checkpoint', 'weights_h5', 'h5', 'keras', 'saved_model',
-             'optimizer_checkpoint']
+def _load(dp, kind, saved):
+    """Restores artifact ``kind`` written by ``_save`` into ``dp``."""
+    if kind == 'tf_checkpoint':
+        dp.load_weights(os.path.join(saved, 'ckpt'))
+    elif kind == 'optimizer_checkpoint':
+        tf.train.Checkpoint(optimizer=dp.optimizer, model=dp).read(
+            os.path.join(saved, 'opt')).assert_existing_objects_matched()
+    else:
+        dp.load_weights(saved)
 
 
-@pytest.mark.parametrize('path', ['model', 'optimizer'])
+def _optimizer_variables(optimizer):
+    """A method on Keras 2, a property on Keras 3."""
+    variables = optimizer.variables
+    return variables() if callable(variables) else variables
+
+
+_KERAS_2_ONLY = ('tf_checkpoint', 'h5')
+ARTIFACTS = [
+    pytest.param(kind, marks=markers.needs_keras_2)
+    if kind in _KERAS_2_ONLY else kind
+    for kind in ['tf_checkpoint', 'weights_h5', 'h5', 'keras', 'saved_model',
+                 'optimizer_checkpoint']]
+PATHS = ['model', pytest.param('optimizer',
+                               marks=markers.needs_tf_privacy_optimizers)]
+
+
+@pytest.mark.parametrize('path', PATHS)
 @pytest.mark.parametrize('kind', ARTIFACTS)
 def test_no_artifact_holds_the_key_stream(tmp_path, kind, path):
     dp = _dp_model(seed=SEED, path=path)
@@ -126,41 +158,42 @@ def test_no_artifact_holds_the_key_stream(tmp_path, kind, path):
 def test_two_restores_of_one_checkpoint_draw_independent_noise(tmp_path):
     dp = _dp_model()
     tiny_models.one_step(dp, *tiny_models.data(4))
-    dp.save_weights(str(tmp_path / 'ckpt'))
+    dp.save_weights(str(tmp_path / 'model.weights.h5'))
     original = _noise_of_next_step(dp)
     draws = []
     for _ in range(2):
         restored = _dp_model()
-        restored.load_weights(str(tmp_path / 'ckpt'))
+        restored.load_weights(str(tmp_path / 'model.weights.h5'))
         draws.append(_noise_of_next_step(restored))
     for a, b in [(draws[0], draws[1]), (draws[0], original),
                  (draws[1], original)]:
         assert abs(np.corrcoef(a, b)[0, 1]) < 0.5
 
 
-@pytest.mark.parametrize('path', ['model', 'optimizer'])
-@pytest.mark.parametrize('kind', ['tf_checkpoint', 'weights_h5'])
+@pytest.mark.parametrize('path', PATHS)
+@pytest.mark.parametrize('kind', [
+    pytest.param('tf_checkpoint', marks=markers.needs_keras_2),
+    'weights_h5', 'optimizer_checkpoint'])
 def test_seeded_resume_does_not_replay_noise(tmp_path, kind, path):
     dp = _dp_model(seed=SEED, path=path)
     first = _noise_of_next_step(dp)  # The seed's first key.
     second = _noise_of_next_step(dp)
     saved = _save(dp, kind, str(tmp_path))
-    target = (os.path.join(saved, 'ckpt') if kind == 'tf_checkpoint'
-              else saved)
     # Two runs forked from one checkpoint with the same seed: neither
     # replays a released step, nor do they share noise with each other
     # (their difference would be noise-free).
     forks = []
     for _ in range(2):
         resumed = _dp_model(seed=SEED, path=path)
-        resumed.load_weights(target)
+        _load(resumed, kind, saved)
+        assert int(resumed.optimizer.iterations) == 2  # Really restored.
         forks.append(_noise_of_next_step(resumed))
     for a, b in [(forks[0], first), (forks[0], second), (forks[1], first),
                  (forks[1], second), (forks[0], forks[1])]:
         assert abs(np.corrcoef(a, b)[0, 1]) < 0.5
 
 
-@pytest.mark.parametrize('path', ['model', 'optimizer'])
+@pytest.mark.parametrize('path', PATHS)
 def test_forks_that_load_before_compile_share_no_noise(tmp_path, path):
     # The natural fork: wrap, load the checkpoint, compile, train. The seed
     # follows the state the model was wrapped with, not the loaded one.
@@ -251,6 +284,7 @@ def test_seeded_stream_never_replays_on_weights_from_elsewhere(tmp_path,
     np.testing.assert_array_equal(_noise_of_next_step(again), released[0])
 
 
+@markers.needs_tf_privacy_optimizers
 def test_copies_of_a_dp_optimizer_draw_independent_noise():
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(CONFIG, learning_rate=1.0)
     noises = []
@@ -263,7 +297,7 @@ def test_copies_of_a_dp_optimizer_draw_independent_noise():
         pickle.dumps(opt.aggregator.keys)
 
 
-@pytest.mark.parametrize('path', ['model', 'optimizer'])
+@pytest.mark.parametrize('path', PATHS)
 def test_keras_file_reloads_compiled_without_replaying(tmp_path, path):
     dp = _dp_model(seed=SEED, path=path, momentum=0.5)
     tiny_models.one_step(dp, *tiny_models.data(4))
@@ -277,12 +311,13 @@ def test_keras_file_reloads_compiled_without_replaying(tmp_path, path):
         assert type(loaded.optimizer) is type(dp.optimizer)
         for a, b in zip(loaded.get_weights(), dp.get_weights()):
             np.testing.assert_array_equal(a, b)
-        for a, b in zip(loaded.optimizer.variables(),
-                        dp.optimizer.variables()):
+        for a, b in zip(_optimizer_variables(loaded.optimizer),
+                        _optimizer_variables(dp.optimizer)):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
     for loaded in loads:  # Measure the noise alone, not the momentum.
-        for slot in loaded.optimizer.variables()[1:]:
-            slot.assign(tf.zeros_like(slot))
+        for slot in _optimizer_variables(loaded.optimizer):
+            if len(slot.shape):  # Slots; not the step count, not the rate.
+                slot.assign(tf.zeros_like(slot))
     noises = [_noise_of_next_step(m) for m in loads]
     assert abs(np.corrcoef(noises[0], noises[1])[0, 1]) < 0.5
 
@@ -290,14 +325,14 @@ def test_keras_file_reloads_compiled_without_replaying(tmp_path, path):
 def test_secret_run_state_file_resumes_a_seeded_stream_exactly(tmp_path):
     dp = _dp_model(seed=SEED)
     tiny_models.one_step(dp, *tiny_models.data(4))
-    dp.save_weights(str(tmp_path / 'ckpt'))
+    dp.save_weights(str(tmp_path / 'model.weights.h5'))
     secret = str(tmp_path / 'secret' / 'random_state.json')
     os.makedirs(os.path.dirname(secret))
     dp.save_random_state(secret)
     assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
     want = _noise_of_next_step(dp)
     resumed = _dp_model(seed=SEED)
-    resumed.load_weights(str(tmp_path / 'ckpt'))
+    resumed.load_weights(str(tmp_path / 'model.weights.h5'))
     resumed.load_random_state(secret)
     np.testing.assert_array_equal(_noise_of_next_step(resumed), want)
     with pytest.raises(ValueError, match='SecretRandomState'):

@@ -39,7 +39,7 @@ def test_dp_fit_on_digits_learns_and_ledger_matches_accountant():
         10, input_shape=(64,),
         kernel_initializer=tf.keras.initializers.GlorotUniform(seed=0))])
     loss = tf.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+        from_logits=True, reduction='none')
     guards.check_no_example_mixing(inner)
     guards.check_per_example_loss(loss)
     config = TwiceSamplingConfig.single(

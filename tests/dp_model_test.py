@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import markers
 from tests import tiny_models
 
 from tf_twice import optimizers
@@ -73,6 +74,7 @@ def _assert_all_close(a_list, b_list, **kwargs):
 _next_key = tiny_models.fix_next_step_key
 
 
+@markers.needs_tf_privacy_optimizers
 @pytest.mark.parametrize('physical_batch_size', [8, 3])
 def test_dp_optimizer_runs_the_same_step_as_the_models_mechanism(
         physical_batch_size):
@@ -91,12 +93,12 @@ def test_dp_optimizer_runs_the_same_step_as_the_models_mechanism(
     assert via_optimizer.dp_event() == dp.dp_event() == CONFIG.dp_event()
 
 
+@markers.needs_tf_privacy_optimizers
 def test_plain_model_with_dp_optimizer_is_refused_before_any_step():
     model = _mlp()
     initial = _weights(model)
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        CONFIG, learning_rate=0.3),
-        loss=_loss(reduction=tf.keras.losses.Reduction.NONE))
+        CONFIG, learning_rate=0.3), loss=_loss(reduction='none'))
     with pytest.raises(ValueError, match=r'DPModel\(model\)'):
         model.fit(*_data(8), batch_size=8, epochs=1, verbose=0)
     _assert_all_close(_weights(model), initial, rtol=0, atol=0)
@@ -202,7 +204,7 @@ def test_metrics_are_over_real_examples():
     weights = np.array([1, 0, 1, 1, 0, 1], np.float32)
     model = _mlp()
     logits = model(x).numpy()
-    per_example = _loss(reduction=tf.keras.losses.Reduction.NONE)(
+    per_example = _loss(reduction='none')(
         y, logits).numpy()
     real = weights == 1
     want_loss = per_example[real].mean()
@@ -247,13 +249,18 @@ def test_batch_norm_is_refused():
         DPModel(outer, CONFIG, physical_batch_size=4)
 
 
-def test_mechanism_is_given_exactly_once():
+@markers.needs_tf_privacy_optimizers
+def test_a_config_and_a_dp_optimizer_are_refused_together():
     dp = DPModel(_mlp(), CONFIG, physical_batch_size=4)
     with pytest.raises(ValueError, match='already has its DP mechanism'):
         dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
             CONFIG), loss=_loss())
+
+
+def test_mechanism_is_given_exactly_once():
     bare = DPModel(_mlp(), physical_batch_size=4)
-    with pytest.raises(ValueError, match='no DP mechanism'):
+    with pytest.raises(ValueError,
+                       match=r'no DP mechanism.*DPModel\(model, config\)'):
         bare.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=_loss())
     # The mechanism is a whole, calibrated config; nothing else stands in.
     with pytest.raises(ValueError, match='seed need a config'):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import markers
 from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
@@ -61,13 +62,24 @@ def test_batch_norm_in_custom_layer_fails():
 
         def __init__(self):
             super().__init__(name='block')
-            self.norm = tf.keras.layers.experimental.SyncBatchNormalization()
+            self.norm = tf.keras.layers.BatchNormalization(
+                synchronized=True, name='synced')
 
         def call(self, x):
             return self.norm(x)
 
-    with pytest.raises(ValueError, match='SyncBatchNormalization'):
+    with pytest.raises(ValueError, match='block/synced.*BatchNormalization'):
         guards.check_no_example_mixing(Block())
+
+
+def test_a_layer_named_like_batch_norm_fails():
+    class SyncBatchNormCopy(tf.keras.layers.Layer):  # Not a subclass.
+
+        def call(self, x):
+            return x
+
+    with pytest.raises(ValueError, match='SyncBatchNormCopy'):
+        guards.check_no_example_mixing(SyncBatchNormCopy(name='copy'))
 
 
 def test_custom_layer_declaring_example_mixing_fails():
@@ -103,10 +115,30 @@ def test_adapted_lookup_and_stateful_layers_fail():
     lookup.adapt(np.array([7, 123456, 42]))
     with pytest.raises(ValueError, match='ids.*adapted on data'):
         guards.check_no_example_mixing(tf.keras.Sequential([lookup]))
-    rnn = tf.keras.Sequential([tf.keras.layers.SimpleRNN(
-        2, stateful=True, name='rnn', batch_input_shape=(4, 3, 1))])
+    rnn = tf.keras.Sequential([
+        tf.keras.Input(shape=(3, 1), batch_size=4),
+        tf.keras.layers.SimpleRNN(2, stateful=True, name='rnn')])
     with pytest.raises(ValueError, match='rnn.*stateful'):
         guards.check_no_example_mixing(rnn)
+
+
+@pytest.mark.parametrize('make, adapt_on', [
+    (lambda: tf.keras.layers.Discretization(num_bins=3, name='bins'),
+     np.arange(12, dtype=np.float32)),
+    (lambda: tf.keras.layers.StringLookup(name='words'),
+     np.array(['a', 'b', 'a'])),
+    (lambda: tf.keras.layers.TextVectorization(name='text'),
+     np.array(['a b', 'c'])),
+])
+def test_other_adapted_layers_fail_and_explicit_ones_pass(make, adapt_on):
+    adapted = make()
+    adapted.adapt(adapt_on)
+    with pytest.raises(ValueError, match='adapted on data'):
+        guards.check_no_example_mixing(tf.keras.Sequential([adapted]))
+    for fixed in (tf.keras.layers.Discretization(bin_boundaries=[0.0, 1.0]),
+                  tf.keras.layers.StringLookup(vocabulary=['a', 'b']),
+                  tf.keras.layers.TextVectorization(vocabulary=['a', 'b'])):
+        guards.check_no_example_mixing(tf.keras.Sequential([fixed]))
     guards.check_no_example_mixing(tf.keras.Sequential([
         tf.keras.layers.SimpleRNN(2, input_shape=(3, 1)),
         tf.keras.layers.IntegerLookup(vocabulary=[1, 2, 3])]))
@@ -119,18 +151,25 @@ def test_check_no_example_mixing_rejects_non_models():
 
 @pytest.mark.parametrize('loss', [
     tf.keras.losses.SparseCategoricalCrossentropy(
-        reduction=tf.keras.losses.Reduction.NONE),
+        reduction='none'),
     tf.keras.losses.MeanSquaredError(reduction='none'),
     'sparse_categorical_crossentropy',
     'categorical_crossentropy',
     'mse',
     tf.keras.losses.binary_crossentropy,
     lambda y_true, y_pred: tf.reduce_sum(tf.square(y_pred), axis=-1),
-    [tf.keras.losses.mean_absolute_error, 'mse'],
+    [tf.keras.losses.mae, 'mse'],
     {'out': 'mse'},
 ])
 def test_per_example_losses_pass(loss):
     guards.check_per_example_loss(loss)
+
+
+@pytest.mark.skipif(markers.KERAS_MAJOR == 2,
+                    reason='reduction=None is Keras 3\'s "none"')
+def test_keras_3_reduction_none_is_per_example():
+    guards.check_per_example_loss(
+        tf.keras.losses.SparseCategoricalCrossentropy(reduction=None))
 
 
 @pytest.mark.parametrize('loss, match', [
@@ -156,7 +195,7 @@ def test_custom_loss_class_with_none_reduction_is_probed():
 
     with pytest.raises(ValueError, match='reduced'):
         guards.check_per_example_loss(
-            Sneaky(reduction=tf.keras.losses.Reduction.NONE))
+            Sneaky(reduction='none'))
 
 
 def test_loss_probe_with_user_batches():
@@ -306,13 +345,17 @@ def _compiled():
     return model
 
 
-def test_optimizer_and_plain_models():
+@markers.needs_tf_privacy_optimizers
+def test_optimizer_model_has_the_optimizers_event():
     model = _compiled()
     assert model.config == CONFIG and model.dp_event() == _event()
     guards.check_ledger_event(_event(), model)
     assert PrivacyLedger.for_model(model, delta=DELTA).event == _event()
     with pytest.raises(ValueError, match=_named('noise_multiplier', 9.0)):
         guards.check_ledger_event(_event(noise_multiplier=9.0), model)
+
+
+def test_plain_models_and_dp_models_without_a_mechanism():
     # A plain Keras model's steps are counted as the given event.
     plain = _dense()
     guards.check_ledger_event(_event(noise_multiplier=9.0), plain)
@@ -323,6 +366,7 @@ def test_optimizer_and_plain_models():
         guards.check_ledger_event(_event(), DPModel(_dense()))
 
 
+@markers.needs_tf_privacy_optimizers
 def test_plain_model_with_dp_optimizer_is_refused():
     model = _dense()
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import markers
 from tests import tiny_models
 
 from tf_twice import optimizers
@@ -287,6 +288,7 @@ def _fast(basis, physical_batch_size=8, model=None):
     return dp
 
 
+@markers.needs_tf_privacy_optimizers
 @pytest.mark.parametrize('physical_batch_size', [8, 3])
 def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
     basis = _basis()
@@ -389,7 +391,7 @@ def test_set_basis_refuses_another_structure_or_no_basis():
         plain.set_basis(_basis())
 
 
-@pytest.mark.parametrize('config, match', [
+MISFITS = [
     (SINGLE, 'one Block per block of the basis: 3'),
     (_params(l2_norm_clip=(0.5, 0.3), noise_multiplier=(1.0, 2.0),
              linf_norm_clip=None), 'one Block per block of the basis: 3'),
@@ -400,10 +402,18 @@ def test_set_basis_refuses_another_structure_or_no_basis():
                 Block(l2_norm_clip=0.3, noise_multiplier=2.0),
                 Block(l2_norm_clip=0.2, noise_multiplier=1.5))),
      'dimension is 4 but the basis block has 3'),
-])
+]
+
+
+@pytest.mark.parametrize('config, match', MISFITS)
 def test_config_blocks_must_fit_the_basis(config, match):
     with pytest.raises(ValueError, match=match):
         DPModel(_mlp(), config, basis=_basis(), physical_batch_size=4)
+
+
+@markers.needs_tf_privacy_optimizers
+@pytest.mark.parametrize('config, match', MISFITS)
+def test_dp_optimizer_config_blocks_must_fit_the_basis(config, match):
     with pytest.raises(ValueError, match=match):
         optimizers.TwiceSamplingDPKerasSGDOptimizer(config, basis=_basis())
 
@@ -411,11 +421,15 @@ def test_config_blocks_must_fit_the_basis(config, match):
 def test_several_blocks_without_a_basis_and_foreign_bases_are_refused():
     with pytest.raises(ValueError, match='no basis is given'):
         DPModel(_mlp(), HYBRID, physical_batch_size=4)
-    with pytest.raises(ValueError, match='no basis is given'):
-        optimizers.TwiceSamplingDPKerasSGDOptimizer(HYBRID)
     other = _orthonormal_basis([43], [[2, 3]])  # one variable of 43
     with pytest.raises(ValueError, match='variable_shapes'):
         DPModel(_mlp(), HYBRID, basis=other, physical_batch_size=4)
+
+
+@markers.needs_tf_privacy_optimizers
+def test_dp_optimizer_with_several_blocks_needs_a_basis():
+    with pytest.raises(ValueError, match='no basis is given'):
+        optimizers.TwiceSamplingDPKerasSGDOptimizer(HYBRID)
 
 
 def test_config_round_trip_with_a_basis():
@@ -430,6 +444,11 @@ def test_config_round_trip_with_a_basis():
     clone = DPModel.from_config({**config, 'basis': basis})
     assert clone.config == dp.config and clone.basis is basis
     assert clone.dp_event() == dp.dp_event()
+
+
+@markers.needs_tf_privacy_optimizers
+def test_dp_optimizer_config_round_trip_with_a_basis():
+    basis = _basis()
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(HYBRID, basis=basis)
     again = type(opt).from_config({**opt.get_config(), 'basis': basis})
     assert again.config == opt.config and again.basis is basis
@@ -470,7 +489,11 @@ def test_event_and_ledger_round_trip_with_a_basis(tmp_path):
     resumed = PrivacyLedger.from_state(state, verbose=0)
     assert resumed.event == _event(basis)
     assert resumed.epsilon == pytest.approx(ledger.epsilon, rel=1e-12)
-    # The optimizer path runs the same event.
+
+
+@markers.needs_tf_privacy_optimizers
+def test_optimizer_path_runs_the_same_multi_block_event():
+    basis = _basis()
     model = DPModel(_mlp(), physical_batch_size=4)
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
         HYBRID, basis=basis), loss=_loss())

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import markers
 from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
@@ -115,6 +116,54 @@ def test_exhausted_budget_runs_no_step_and_restores_train_function():
     assert int(model.optimizer.iterations) == 5
 
 
+class _StepWatcher(tf.keras.callbacks.Callback):
+    """Listed after the ledger: records, before each execution runs, the
+    steps the optimizer took and the steps the ledger had charged."""
+
+    def __init__(self, ledger):
+        super().__init__()
+        self.ledger = ledger
+        self.seen = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append((int(self.model.optimizer.iterations),
+                          self.ledger.steps))
+
+
+@pytest.mark.parametrize('steps_per_execution', [1, 2])
+def test_a_plain_models_steps_are_charged_before_they_run(
+        steps_per_execution):
+    model = _model(steps_per_execution=steps_per_execution)
+    ledger = PrivacyLedger(EVENT, DELTA)
+    watcher = _StepWatcher(ledger)
+    model.fit(_data(steps=4), callbacks=[ledger, watcher], verbose=0)
+    k = steps_per_execution
+    assert watcher.seen == [(i, i + k) for i in range(0, 4, k)]
+    assert ledger.steps == 4 == int(model.optimizer.iterations)
+
+
+@pytest.mark.parametrize('dp', [False, True])
+def test_exhausted_budget_with_metrics_no_step_has_built(dp):
+    # Keras 3 builds compiled metrics at the first step: a fit that runs
+    # no step must still end cleanly, and the next one train.
+    if dp:
+        model = _dp_model()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse',
+                      metrics=['mae'])
+        ledger = PrivacyLedger.for_model(model, delta=DELTA, max_steps=0)
+    else:
+        model = _model()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse',
+                      metrics=['mae'])
+        ledger = PrivacyLedger(EVENT, DELTA, max_steps=0)
+    model.fit(_data(), epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 0 == int(model.optimizer.iterations)
+    assert 'get_metrics_result' not in vars(model)  # Restored.
+    history = model.fit(_data(steps=2), epochs=1, verbose=0)
+    assert int(model.optimizer.iterations) == 2
+    assert any('mae' in key for key in history.history)
+
+
 def test_steps_per_execution_stops_at_a_multiple():
     target = _target_between(7)
     model = _model(steps_per_execution=3)
@@ -185,7 +234,8 @@ def test_crash_never_loses_steps(tmp_path, save_every_steps):
     with pytest.raises(RuntimeError, match='simulated crash'):
         model.fit(_data(), epochs=1, callbacks=[_Crash(3), ledger], verbose=0)
     taken = int(model.optimizer.iterations)
-    assert taken == 3 and ledger.steps == 2
+    # Step 3 was charged before it ran, also in memory.
+    assert taken == 3 and ledger.steps == 3
     reloaded = PrivacyLedger(EVENT, DELTA, state_path=path)
     assert taken <= reloaded.steps <= taken + save_every_steps
     assert reloaded.epsilon >= _accountant_epsilon((EVENT, taken))
@@ -450,7 +500,7 @@ def _plain_model_with_dp_optimizer():
     model = _model()
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
         CONFIG, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError(
-            reduction=tf.keras.losses.Reduction.NONE))
+            reduction='none'))
     return model
 
 
@@ -470,6 +520,10 @@ def test_for_model_builds_the_models_event(tmp_path):
     assert (ledger.delta, ledger.target_epsilon, ledger.max_steps,
             ledger.state_path) == (DELTA, 50.0, 9, path)
     np.testing.assert_array_equal(ledger.orders, [2, 4, 8])
+
+
+@markers.needs_tf_privacy_optimizers
+def test_for_model_builds_the_dp_optimizers_event():
     optimizer_model = _dp_optimizer_model()
     assert PrivacyLedger.for_model(optimizer_model,
                                    delta=DELTA).event == EVENT
@@ -477,8 +531,11 @@ def test_for_model_builds_the_models_event(tmp_path):
 
 @pytest.mark.parametrize('make, kwargs, match', [
     (lambda: _model(), {}, 'DPModel'),  # A plain SGD optimizer.
-    (lambda: _dp_optimizer_model(num_microbatches=4), {}, 'num_microbatches'),
-    (_plain_model_with_dp_optimizer, {}, 'DPModel'),
+    pytest.param(lambda: _dp_optimizer_model(num_microbatches=4), {},
+                 'num_microbatches',
+                 marks=markers.needs_tf_privacy_optimizers),
+    pytest.param(_plain_model_with_dp_optimizer, {}, 'DPModel',
+                 marks=markers.needs_tf_privacy_optimizers),
     (lambda: DPModel(_model()), {}, 'no DP mechanism'),
     (lambda: _dp_model(noise_multiplier=0.0, non_private=True), {},
      'non_private'),
@@ -494,6 +551,7 @@ def test_for_model_refusals(make, kwargs, match):
         PrivacyLedger.for_model(make(), **args)
 
 
+@markers.needs_tf_privacy_optimizers
 def test_optimizer_path_is_accounted_and_checked():
     model = _dp_optimizer_model()
     ledger = PrivacyLedger.for_model(model, delta=DELTA)
@@ -554,6 +612,7 @@ def test_steps_of_an_interrupted_fit_are_charged(tmp_path):
     assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 8
 
 
+@markers.needs_tf_privacy_optimizers
 def test_steps_of_a_replaced_dp_optimizer_are_charged():
     # An interrupted fit, then a recompile with another DP optimizer (other
     # step keys): the step the ledger did not see is still charged.

@@ -23,8 +23,13 @@ def resnet():
 
 
 def _all_layers(model):
-    return [m for m in model.submodules
-            if isinstance(m, tf.keras.layers.Layer)]
+    """Every layer, nested models' included (``submodules`` is Keras 2's)."""
+    layers = []
+    for layer in model.layers:
+        layers.append(layer)
+        if isinstance(layer, tf.keras.Model):
+            layers += _all_layers(layer)
+    return layers
 
 
 def test_small_cnn_has_79530_parameters(cnn):

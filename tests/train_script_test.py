@@ -214,6 +214,60 @@ def test_resuming_continues_the_ledger(digits, tmp_path):
     assert third['epsilon'] == pytest.approx(expected, rel=1e-9)
 
 
+def test_checkpoint_is_keras_weights_with_no_temporary_left(digits,
+                                                           tmp_path):
+    checkpoint_dir = tmp_path / 'run'
+    config = dict(FAST, mode='dpsgd', noise_multiplier=1.0,
+                  checkpoint_dir=str(checkpoint_dir))
+    train_lib.train(dict(config, steps=2), data=digits)
+    assert sorted(os.listdir(checkpoint_dir)) == sorted([
+        train_lib.CHECKPOINT_NAME, train_lib.LEDGER_FILENAME,
+        train_lib.RUN_FILENAME])
+    assert train_lib.CHECKPOINT_NAME.endswith('.weights.h5')
+
+
+class _CrashingSave:
+    """A model whose save_weights writes part of the file, then dies."""
+
+    def save_weights(self, path):
+        with open(path, 'wb') as f:
+            f.write(b'half a checkpoint')
+        raise OSError('killed mid-save')
+
+
+def test_a_crash_mid_save_keeps_the_last_checkpoint(tmp_path):
+    path = str(tmp_path / train_lib.CHECKPOINT_NAME)
+    with open(path, 'wb') as f:
+        f.write(b'the last checkpoint')
+    checkpoint = train_lib._EpochCheckpoint(path)  # pylint: disable=protected-access
+    checkpoint.set_model(_CrashingSave())
+    with pytest.raises(OSError, match='killed mid-save'):
+        checkpoint.on_epoch_end(0)
+    with open(path, 'rb') as f:
+        assert f.read() == b'the last checkpoint'
+
+
+def test_a_tensorflow_format_checkpoint_is_refused_not_ignored(digits,
+                                                               tmp_path):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    checkpoint_dir = tmp_path / 'run'
+    tf.train.Checkpoint(v=tf.Variable(1.0)).save(str(checkpoint_dir / 'ckpt'))
+    with pytest.raises(ValueError, match='TensorFlow-format checkpoint'):
+        train_lib.build_run(dict(FAST, mode='dpsgd', noise_multiplier=1.0,
+                                 checkpoint_dir=str(checkpoint_dir)),
+                            data=digits)
+
+
+def test_nonprivate_resume_restores_the_optimizer(digits, tmp_path):
+    config = dict(FAST, mode='nonprivate',
+                  checkpoint_dir=str(tmp_path / 'run'))
+    train_lib.train(dict(config, steps=2, optimizer='adam'), data=digits)
+    second = train_lib.train(dict(config, steps=3, optimizer='adam'),
+                             data=digits)
+    assert second['resumed_steps'] == 2 and second['steps'] == 1
+    assert second['optimizer_steps'] == 3
+
+
 def test_resume_refuses_another_mode(digits, tmp_path):
     checkpoint_dir = str(tmp_path / 'run')
     train_lib.train(dict(FAST, mode='nonprivate', steps=1,

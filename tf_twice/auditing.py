@@ -54,6 +54,7 @@ import numpy as np
 from scipy import stats
 import tensorflow as tf
 
+from tf_twice import _keras  # noqa: F401  pylint: disable=unused-import
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 
 __all__ = [

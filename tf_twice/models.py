@@ -19,6 +19,8 @@ from typing import Callable, Dict, Sequence, Tuple
 
 import tensorflow as tf
 
+from tf_twice import _keras  # noqa: F401  pylint: disable=unused-import
+
 __all__ = [
     'MODELS',
     'RESNET22_BLOCKS',

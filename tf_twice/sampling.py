@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_twice import _keras  # noqa: F401  pylint: disable=unused-import
 from tf_twice import config as config_lib
 
 __all__ = [

@@ -65,9 +65,16 @@ example's global position, the shares' sums are added by the optimizer's
 cross-replica sum and the noise is added once per logical batch: the update
 equals the single-device one for any number of replicas.
 
-Optimizer path: compiling a DPModel with a tf_twice DP optimizer (e.g.
-``TwiceSamplingDPKerasSGDOptimizer``) takes the mechanism from the optimizer
-and runs it here, on per-example gradients computed in isolation.
+Optimizer path (Keras 2 with tensorflow-privacy): compiling a DPModel with
+a tf_twice DP optimizer (e.g. ``TwiceSamplingDPKerasSGDOptimizer``) takes the
+mechanism from the optimizer and runs it here, on per-example gradients
+computed in isolation. On Keras 3 give the config to DPModel and compile
+with a plain Keras optimizer: the same mechanism.
+
+Keras versions: the same code runs on Keras 2 (TensorFlow <= 2.15, or
+tf-keras) and on Keras 3 with the TensorFlow backend (``tf_twice._keras``).
+``compile`` defaults to ``jit_compile=False`` on both (XLA cannot compile
+the seeded step keys' hashing, and was slower on CPU).
 
 Training metrics: the loss and metrics of ``fit`` are computed on the
 private batch without noise; their keys carry the prefix ``nonprivate_``
@@ -80,6 +87,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_twice import _keras
 from tf_twice import _validate
 from tf_twice import config as config_lib
 from tf_twice import sampling
@@ -269,7 +277,7 @@ def default_physical_batch_size(
     low, high = _PHYSICAL_RANGE
     size = 64
     if model.built:
-        d = max(1, sum(int(tf.size(v)) for v in model.trainable_variables))
+        d = max(1, sum(math.prod(v.shape) for v in model.trainable_variables))
         size = 2**max(0, math.floor(math.log2(max(1, _CACHE_BYTES // (4 * d)))))
     if config is not None:
         size = min(size, 2**math.ceil(math.log2(config.expected_batch_size)))
@@ -376,7 +384,7 @@ class DPModel(tf.keras.Model):
                 'give them to the optimizer.')
         # Not attributes Keras tracks: the tracker's state must not show up
         # in ``weights`` or the saved weights of the wrapped model.
-        object.__setattr__(self, '_loss_tracker',
+        object.__setattr__(self, '_example_loss_tracker',
                            tf.keras.metrics.Mean(name='loss'))
         # The wrapped model's state words now: a seeded stream follows its
         # seed only from this state (weights loaded later, before or after
@@ -404,7 +412,8 @@ class DPModel(tf.keras.Model):
         if aggregator is None:
             raise ValueError(
                 'This DPModel has no DP mechanism yet: give it a '
-                'TwiceSamplingConfig, or compile it with a tf_twice DP '
+                'TwiceSamplingConfig, DPModel(model, config), or (Keras 2 '
+                'with tensorflow-privacy) compile it with a tf_twice DP '
                 'optimizer.')
         return aggregator
 
@@ -485,10 +494,14 @@ class DPModel(tf.keras.Model):
                 'optimizer or a tf_twice DP optimizer.')
         elif self._own_aggregator is None:
             raise ValueError(
-                'This DPModel has no DP mechanism: compile it with a tf_twice '
-                'DP optimizer, or give it a TwiceSamplingConfig.')
+                'This DPModel has no DP mechanism: give it a '
+                'TwiceSamplingConfig, DPModel(model, config), or (Keras 2 '
+                'with tensorflow-privacy) compile it with a tf_twice DP '
+                'optimizer.')
         self._example_loss = _per_example_loss_fn(loss)
         previous = self.aggregator
+        # Keras 3's 'auto' would turn XLA on where there is a GPU.
+        kwargs.setdefault('jit_compile', False)
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
         if previous is not None and previous is not self.aggregator:
@@ -503,6 +516,21 @@ class DPModel(tf.keras.Model):
         if basis is not None and self.inner_model.built:
             hybrid.check_basis_matches_variables(
                 basis, self.inner_model.trainable_variables)
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        """Creates the optimizer's variables (step count, slots) for the
+        wrapped model's weights, so that weights loaded before the first
+        step (``load_weights``, ``.keras``, ``BackupAndRestore``) restore
+        the optimizer's state too: Keras skips the state of an optimizer
+        that has no variables yet."""
+        if not self.inner_model.built:
+            return
+        variables = self.inner_model.trainable_variables
+        if _keras.is_legacy_optimizer(self.optimizer):
+            self.optimizer._create_all_weights(variables)  # pylint: disable=protected-access
+        else:
+            self.optimizer.build(variables)
 
     def get_compile_config(self) -> Optional[Dict[str, Any]]:
         """The arguments of ``compile`` (Keras's record of them), so that a
@@ -511,22 +539,15 @@ class DPModel(tf.keras.Model):
 
     def compile_from_config(self, config: Dict[str, Any]) -> None:
         """Compiles from ``get_compile_config()`` when a ``.keras`` file is
-        loaded, and creates the optimizer's variables so that its saved
-        state (step count, slots) is restored with the weights."""
+        loaded (``compile`` creates the optimizer's variables, so that its
+        saved state is restored with the weights)."""
         self.compile(**tf.keras.utils.deserialize_keras_object(config))
-        if self.inner_model.built:
-            variables = self.inner_model.trainable_variables
-            build = getattr(self.optimizer, 'build', None)
-            if callable(build):
-                build(variables)
-            else:  # A legacy (Keras 2) optimizer, e.g. a tf_twice DP one.
-                self.optimizer._create_all_weights(variables)  # pylint: disable=protected-access
 
     def _legacy_optimizer_weights(self) -> Optional[List[tf.Variable]]:
         # Keras's .keras format saves only non-legacy optimizers; the state of
-        # a legacy one (the tf_twice DP optimizers) is saved here instead.
+        # a legacy one (the tf_twice DP optimizers, Keras 2) is saved here.
         optimizer = getattr(self, 'optimizer', None)
-        if isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
+        if _keras.is_legacy_optimizer(optimizer):
             return list(optimizer.weights)
         return None
 
@@ -603,8 +624,34 @@ class DPModel(tf.keras.Model):
             guards.check_ledger_event(ledger.event, self)
             _check_poisson_input(x, self.config,
                                  strict=not allow_non_poisson_input)
-        return super().fit(x, y, batch_size, epochs, verbose, callbacks,
-                           *args, **kwargs)
+        is_dataset = isinstance(x, tf.data.Dataset)
+        if is_dataset and len(args) < 3:
+            # Each element is one logical batch: there is nothing to
+            # shuffle (Keras 3 warns about its default shuffle=True).
+            kwargs.setdefault('shuffle', False)
+        object.__setattr__(self, '_fit_element_spec',
+                           x.element_spec if is_dataset else None)
+        try:
+            return super().fit(x, y, batch_size, epochs, verbose, callbacks,
+                               *args, **kwargs)
+        finally:
+            object.__setattr__(self, '_fit_element_spec', None)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras 3's build of metrics, loss and optimizer before training
+        under a distribution strategy, from the dataset's element spec.
+
+        Keras pulls the first batch and reduces it over the replicas only
+        to learn its shapes: that fails for a logical batch split into
+        shares of unequal size, and under MultiWorkerMirroredStrategy. The
+        spec gives the same shapes without reading data. (Keras 2 never
+        calls this.)
+        """
+        spec = getattr(self, '_fit_element_spec', None)
+        if iterator is not None and data_batch is None and spec is not None:
+            iterator, data_batch = None, spec
+        return super()._maybe_symbolic_build(iterator=iterator,
+                                             data_batch=data_batch)
 
     def train_on_batch(self, *args, **kwargs):
         """Refused: no ledger sees these steps and no check sees their input.
@@ -622,11 +669,9 @@ class DPModel(tf.keras.Model):
 
     @property
     def metrics(self):
-        metrics = [self._loss_tracker]
-        compiled = getattr(self, 'compiled_metrics', None)
-        if compiled is not None:
-            metrics += compiled.metrics
-        return metrics
+        # The per-example loss's tracker replaces Keras's (which would
+        # average a batch loss that this model never computes).
+        return [self._example_loss_tracker] + _keras.compiled_metrics(self)
 
     def _example_losses(self, y, y_pred) -> tf.Tensor:
         losses = self._example_loss(y, y_pred)
@@ -687,14 +732,14 @@ class DPModel(tf.keras.Model):
         is the weighted mean of the per-example losses.
         """
         real = weights > 0
-        self._loss_tracker.update_state(
+        self._example_loss_tracker.update_state(
             tf.boolean_mask(losses, real),
             sample_weight=tf.boolean_mask(weights, real))
         y_real = tf.boolean_mask(y, real)
         predictions = tf.nest.map_structure(
             lambda t: tf.boolean_mask(t, real), predictions)
-        self.compiled_metrics.update_state(
-            y_real, predictions,
+        _keras.update_compiled_metrics(
+            self, y_real, predictions,
             tf.boolean_mask(weights, real) if weighted else None)
 
     def _apply_update(self, update, variables) -> None:
@@ -751,8 +796,8 @@ class DPModel(tf.keras.Model):
         update = aggregator.finish(sums, key, variables)
         self._apply_update(update, variables)
         # Computed on the private batch without noise: not private.
-        return {f'{NONPRIVATE_PREFIX}{m.name}': m.result()
-                for m in self.metrics}
+        return {f'{NONPRIVATE_PREFIX}{name}': value
+                for name, value in self.get_metrics_result().items()}
 
     def test_step(self, data):
         if self._example_loss is None:
@@ -764,7 +809,7 @@ class DPModel(tf.keras.Model):
         weights = _example_weights(sample_weight, tf.shape(losses)[0])
         self._update_metrics(y, y_pred, losses, weights,
                              sample_weight is not None)
-        return {m.name: m.result() for m in self.metrics}
+        return self.get_metrics_result()
 
     def get_config(self) -> Dict[str, Any]:
         """The wrapped model and the mechanism's public parameters.

@@ -35,6 +35,7 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
+from tf_twice import _keras
 from tf_twice import sampling
 
 __all__ = [
@@ -74,9 +75,11 @@ def _why_not_per_example(layer: Any) -> Optional[str]:
       carries one example's data into other examples and later steps.
     * A preprocessing layer adapted on data (``Normalization``,
       ``Discretization``, ``IntegerLookup``, ``StringLookup``,
-      ``TextVectorization``... after ``adapt``): its statistics or
-      vocabulary are a function of the data it saw, released with the model
-      and not accounted; if that data was private, the guarantee is void.
+      ``TextVectorization``... after ``adapt``; on Keras 3, which keeps no
+      record of ``adapt``, any such layer whose parameters were not given
+      explicitly): its statistics or vocabulary are a function of the data
+      it saw, released with the model and not accounted; if that data was
+      private, the guarantee is void.
     """
     names = [cls.__name__ for cls in type(layer).__mro__]
     if isinstance(layer, tf.keras.layers.BatchNormalization) or any(
@@ -94,12 +97,12 @@ def _why_not_per_example(layer: Any) -> Optional[str]:
             layer, tf.keras.Model):
         return ('is stateful: its state carries one example\'s data into '
                 'other examples and later steps. Use stateful=False.')
-    if getattr(layer, 'is_adapted', False) is True:
-        return ('was adapted on data: its statistics or vocabulary are '
-                'released with the model and no accountant covers them. Give '
-                'its parameters explicitly (e.g. Normalization(mean=..., '
-                'variance=...), StringLookup(vocabulary=...)) computed from '
-                'PUBLIC data.')
+    if _keras.state_from_adapt(layer):
+        return ('was adapted on data (or takes its state from adapt()): its '
+                'statistics or vocabulary are released with the model and no '
+                'accountant covers them. Give its parameters explicitly (e.g. '
+                'Normalization(mean=..., variance=...), '
+                'StringLookup(vocabulary=...)) computed from PUBLIC data.')
     return None
 
 
@@ -171,12 +174,12 @@ def _check_one_loss(loss: Any, y_true, y_pred, where: str) -> None:
                              f'{e}') from e
     if isinstance(loss, tf.keras.losses.Loss):
         reduction = loss.reduction
-        if reduction != tf.keras.losses.Reduction.NONE:
+        if not _keras.is_no_reduction(reduction):
             raise ValueError(
                 f'Loss {where} ({type(loss).__name__}) has reduction '
                 f'{reduction!r}: it averages over the batch, so there are no '
                 'per-example losses to clip. Construct it with '
-                'reduction=tf.keras.losses.Reduction.NONE.')
+                f'reduction={_keras.NO_REDUCTION!r}.')
         stock = type(loss).__module__.startswith(
             ('keras.', 'tf_keras.', 'tensorflow.'))
         if stock and y_true is None and y_pred is None:
@@ -192,7 +195,7 @@ def _check_one_loss(loss: Any, y_true, y_pred, where: str) -> None:
             f'{batch} examples: it is reduced over the batch, so there are no '
             'per-example losses to clip. It must return one loss per example '
             '(shape [batch, ...]); for Keras losses use '
-            'reduction=tf.keras.losses.Reduction.NONE.')
+            f'reduction={_keras.NO_REDUCTION!r}.')
 
 
 def check_per_example_loss(loss: Any, y_true: Any = None,
@@ -200,7 +203,7 @@ def check_per_example_loss(loss: Any, y_true: Any = None,
     """Refuses a loss that does not return one value per example.
 
     DP-SGD clips each example's gradient, so it needs per-example losses.
-    Accepted: a Keras `Loss` with `reduction=Reduction.NONE`; a loss name
+    Accepted: a Keras `Loss` with `reduction='none'`; a loss name
     ('sparse_categorical_crossentropy', ...) that resolves to a per-example
     function; a callable returning shape [batch, ...]. Callables and custom
     `Loss` subclasses are probed: with `y_true`/`y_pred` when given, else

@@ -53,8 +53,11 @@ drawn per logical step and no restore or `fit` call rewinds the count, so
 every step that ran is charged at the ledger's next hook, also a step whose
 `on_train_batch_end` never reached the ledger (an exception in an earlier
 callback) and steps of custom loops over `train_step` between `fit` calls.
-For other models the ledger counts Keras's per-`fit` train counter; their
-custom loops call `record_steps`.
+Other models are charged in `on_train_batch_begin`, before their steps run
+(`steps_per_execution` steps each time; on Keras 3 a final execution that
+runs fewer is charged whole); their custom loops call `record_steps`.
+The ledger uses Keras's public callback hooks, `model.stop_training` and
+`model.train_function`, on Keras 2 and Keras 3 alike.
 
 State file (JSON, `format` 'tf_twice.PrivacyLedger', `version` 1):
 
@@ -87,6 +90,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice import _files as files
+from tf_twice import _keras
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.keras import guards
 
@@ -374,12 +378,10 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._disk_steps = self._steps  # Steps the state file charges.
         self._log_dir = log_dir
         self._writer = None
-        self._counter_seen = 0
         # Keys drawn and charged, per step-key stream of a tf_twice DP model
         # (a recompile with another DP optimizer brings another stream).
         # Held strongly: a replaced stream's uncharged steps must be read.
         self._charged_draws: Dict[int, List[Any]] = {}
-        self._begin_step = None
         self._blocked = None
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
@@ -604,10 +606,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
     # --- Keras hooks ------------------------------------------------------
 
     def _steps_per_execution(self) -> int:
-        spe = getattr(self.model, '_steps_per_execution', None)
-        if spe is None:
-            return 1
-        return max(1, int(spe.numpy()))
+        return _keras.steps_per_execution(self.model)
 
     def _charge_drawn_keys(self) -> bool:
         """Charges the steps tf_twice DP models ran since the last charge.
@@ -636,10 +635,6 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._charge_counted(executed)
         return True
 
-    def _read_counter(self) -> Optional[int]:
-        counter = getattr(self.model, '_train_counter', None)
-        return None if counter is None else int(counter.numpy())
-
     def _block(self) -> None:
         """Makes `fit`'s next call of the train function a no-op."""
         model = self.model
@@ -650,14 +645,14 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         def blocked_train_function(unused_iterator):
             # No step, no weight update, nothing read from the data; the
             # logs keep their keys (metrics as they stand).
-            try:
-                return model.get_metrics_result()
-            except Exception:  # pylint: disable=broad-except
-                return {}
+            return _keras.metric_results(model)
 
         blocked_train_function.original = original
         self._blocked = blocked_train_function
         model.train_function = blocked_train_function
+        # Keras reads the metrics again at the epoch's end: those that no
+        # step has built (Keras 3, before the first step) have no result.
+        model.get_metrics_result = lambda: _keras.metric_results(model)
 
     def _unblock(self) -> None:
         model = self.model
@@ -666,6 +661,8 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         if original is not None and getattr(
                 current, '__name__', '') == 'blocked_train_function':
             model.train_function = original
+        if 'get_metrics_result' in vars(model):
+            del model.get_metrics_result  # The class's method again.
         self._blocked = None
 
     def _stop(self, k: int) -> None:
@@ -703,17 +700,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                 'one run: the same seed on the same weights gives the same '
                 'noise, and two releases with the same noise reveal their '
                 'noise-free difference. Leave seed=None for a release.')
-        # Keras's counter: the baseline is read before the first step, not
-        # here: a callback after this one (BackupAndRestore) may still
-        # restore the counter in its on_train_begin, and that jump is no
-        # step of this fit.
-        self._counter_seen = None
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self._counter_seen is None:
-            self._counter_seen = self._read_counter() or 0
         k = self._steps_per_execution()
-        self._begin_step = batch
         if not self.can_take(k):
             self._stop(k)
             self._block()
@@ -731,17 +720,14 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                                      else (low, mid))
                     reserve = low
             self._write(reserve=reserve)
+        if not getattr(self.model, 'key_streams', None):
+            # A model without step keys: its k steps are charged now,
+            # before they run (a final execution that runs fewer is
+            # charged whole).
+            self._charge_counted(k)
 
     def on_train_batch_end(self, batch, logs=None):
-        if not self._charge_drawn_keys():
-            counter = self._read_counter()
-            if counter is not None:
-                self._charge_counted(counter - self._counter_seen)
-                self._counter_seen = counter
-            elif self._blocked is None:
-                begin = (batch if self._begin_step is None
-                         else self._begin_step)
-                self._charge_counted(batch - begin + 1)
+        self._charge_drawn_keys()
         k = self._steps_per_execution()
         if not self.can_take(k):
             self._stop(k)

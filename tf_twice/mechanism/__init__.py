@@ -6,6 +6,8 @@ several); ``hybrid`` runs it on hybrid-clipping blocks of a ``HybridBasis``
 training path, on one device or several, and owns the secret step keys.
 """
 
+# First: refuses, naming the fix, a tf.keras that tf_twice cannot use.
+from tf_twice import _keras  # noqa: F401  pylint: disable=unused-import
 from tf_twice.mechanism.aggregation import MASK_PRECISION_BITS
 from tf_twice.mechanism.aggregation import add_block_noise_and_normalize
 from tf_twice.mechanism.aggregation import add_noise_and_normalize

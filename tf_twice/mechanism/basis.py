@@ -50,6 +50,8 @@ import numpy as np
 from scipy import linalg
 import tensorflow as tf
 
+from tf_twice import _keras
+
 __all__ = [
     'BasisRefresh',
     'DEFAULT_ORTHONORMALITY_TOLERANCE',
@@ -690,11 +692,13 @@ def groups_by_layer(model: tf.keras.Model) -> List[List[int]]:
     """One group per top-level layer, as indices into
     ``model.trainable_variables``; layers without trainable variables are
     skipped, and variables owned by no layer form a last group."""
-    index = {v.ref(): i for i, v in enumerate(model.trainable_variables)}
+    # By identity: Keras 3 variables have no ref(); both versions give
+    # the same variable objects through the model and its layers.
+    index = {id(v): i for i, v in enumerate(model.trainable_variables)}
     groups, seen = [], set()
     for layer in model.layers:
-        group = [index[v.ref()] for v in layer.trainable_variables
-                 if v.ref() in index and index[v.ref()] not in seen]
+        group = [index[id(v)] for v in layer.trainable_variables
+                 if id(v) in index and index[id(v)] not in seen]
         if group:
             groups.append(sorted(group))
             seen.update(group)
@@ -832,7 +836,7 @@ def group_matrices(per_variable: Sequence[ArrayLike],
 def _per_example_loss(loss) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
     if isinstance(loss, tf.keras.losses.Loss):
         config = loss.get_config()
-        config['reduction'] = tf.keras.losses.Reduction.NONE
+        config['reduction'] = _keras.NO_REDUCTION
         return type(loss).from_config(config)
     if callable(loss):
         return loss

@@ -215,9 +215,10 @@ def zero_block_sums(variables: Sequence[tf.Variable],
                     basis: Optional[basis_lib.HybridBasis] = None
                     ) -> BlockSums:
     """Zero accumulators with the layout ``block_sums`` returns."""
-    dtype = variables[0].dtype.base_dtype if variables else tf.float32
+    # tf.as_dtype: Keras 3 variables give their dtype as a string.
+    dtype = tf.as_dtype(variables[0].dtype) if variables else tf.float32
     if basis is None:
-        return [[tf.zeros(v.shape, v.dtype.base_dtype) for v in variables]]
+        return [[tf.zeros(v.shape, tf.as_dtype(v.dtype)) for v in variables]]
     principal = [[tf.zeros([row[j]], dtype) for row in basis.group_ranks]
                  for j in range(basis.num_principal_blocks)]
     return principal + [[tf.zeros([d], dtype) for d in basis.group_dims]]
