@@ -8,6 +8,7 @@ binomial expansion.
 
 import importlib
 import importlib.util
+import logging
 import math
 import re
 import subprocess
@@ -134,6 +135,29 @@ def test_standard_epsilon_hits_an_integer_order_and_grows_with_steps():
     assert 0 < eps[0] < eps[1] < eps[2]
 
 
+def test_standard_epsilon_hides_only_the_dropped_order_notice(caplog):
+    # q = 0.25, z = 0.6: dp_accounting >= 0.5 drops orders 1.25 and 1.5
+    # (its series does not converge there) and logs it. The statement hides
+    # that notice, and only while it computes: the absl logger is left as it
+    # was, and the result is dp_accounting's own.
+    import dp_accounting
+    caplog.set_level(logging.WARNING)
+    eps, order = statement.standard_dp_sgd_epsilon(
+        example_sampling_rate=0.25, noise_multiplier=0.6, steps=100,
+        delta=1e-5)
+    assert not [r for r in caplog.records if 'failed to converge' in
+                r.getMessage()]
+    assert not logging.getLogger('absl').filters
+    accountant = dp_accounting.rdp.RdpAccountant(
+        list(statement.STANDARD_DP_SGD_ORDERS))
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        0.25, dp_accounting.GaussianDpEvent(0.6)), 100)
+    assert (eps, order) == pytest.approx(
+        accountant.get_epsilon_and_optimal_order(1e-5), rel=1e-12)
+    logging.getLogger('absl').warning('failed to converge (not hidden)')
+    assert [r for r in caplog.records if 'not hidden' in r.getMessage()]
+
+
 @needs_tf_privacy
 @pytest.mark.parametrize('n, batch, z, epochs, delta', [
     (60000, 256, 1.1, 60, 1e-5),
@@ -195,7 +219,7 @@ def test_statement_reports_the_accountants_numbers():
     assert _numbers_after('Epsilon with twice sampling:', text) == round(eps, 3)
     standard = _standard_epsilon_by_hand(q=0.02 * q2, z=z, steps=2500,
                                          delta=delta)
-    assert _numbers_after('(as tensorflow_privacy):', text) == round(
+    assert _numbers_after("(tf_privacy's accounting):", text) == round(
         standard, 3)
     ratio = _numbers_after('Noise-variance ratio at equal epsilon (', text
                            .replace(f'({eps:.3f}):', '(eps):'))
