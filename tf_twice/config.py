@@ -323,8 +323,9 @@ class TwiceSamplingConfig:
 
         Every block gets the same noise multiplier z (hybrid clipping with
         per-block noise: ``tf_twice.hybrid.plan_blocks``). The returned
-        config's ``epsilon(steps, delta)`` is within
-        [(1 - tolerance) target, target].
+        config's ``epsilon(steps, delta)`` is at most the target, and
+        within [(1 - tolerance) target, target] in all but the edge cases
+        that ``accounting.calibrate_noise_multiplier`` lists.
 
         Raises:
           ValueError: on a non_private config, bad arguments, or a target

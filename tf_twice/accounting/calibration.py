@@ -199,6 +199,10 @@ def smallest_scale_meeting(
 
     Returns s with epsilon in [(1 - tolerance) * target, target], or `lower`
     if even `lower` meets the target. Never returns an s that misses it.
+    Where epsilon is not continuous in s and jumps over that window (e.g.
+    from above the target to 0), no s lands in it: the result is then the
+    passing end of a bracket narrowed to a relative width of 1e-12, so its
+    epsilon may be well below the target.
 
     Search: from `start` (default: the geometric middle) the bracket widens
     by factors of 4 until it holds the answer; then regula falsi on
@@ -360,9 +364,10 @@ def calibrate_noise_multiplier(
     """The smallest single noise multiplier meeting (epsilon, delta).
 
     All blocks share the returned z. After `steps` twice-sampled steps the
-    accountant's epsilon at `delta` (all `orders`) is within
-    [(1 - tolerance), 1] x target_epsilon (or below it if even
-    MIN_NOISE_MULTIPLIER meets it). `linf_norm_clip=None` (the default) is
+    accountant's epsilon at `delta` (all `orders`) is at most
+    target_epsilon, and within [(1 - tolerance), 1] x target_epsilon unless
+    even MIN_NOISE_MULTIPLIER meets it or epsilon jumps over that window (see
+    `smallest_scale_meeting`). `linf_norm_clip=None` (the default) is
     plain l2 clipping; with `coordinate_sampling_rate=1` too this calibrates
     DP-SGD with Poisson sampling.
 
