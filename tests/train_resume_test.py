@@ -135,6 +135,11 @@ def test_hybrid_resume_keeps_the_blocks(tmp_path):
     assert second['l2_norm_clip'] == first['l2_norm_clip']
     assert second['statement_epsilon'] == pytest.approx(
         second['epsilon'], rel=1e-9)
+    # Other blocks (here: l-infinity clips of the principal block) are
+    # another mechanism.
+    with pytest.raises(ValueError,
+                       match=r'--principal_d0=1\.0 \(now 2\.0\)'):
+        runner.build_run(dict(config, steps=4, principal_d0=2.0), data=data)
 
 
 def test_resume_refuses_a_changed_noise_naming_the_flag(digits, tmp_path):

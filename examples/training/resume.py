@@ -71,9 +71,11 @@ def mechanism_settings(config: TrainConfig, plan: Any) -> Dict[str, Any]:
         target_epsilon=plan.target_epsilon, delta=plan.delta,
         steps=plan.planned_steps)
     if config.mode == 'hybrid':
+        # The seed picks the public basis, which splits the l2 budget.
         settings.update(principal_d0=float(config.principal_d0),
                         ranks=list(plan.ranks),
-                        parameter_groups=config.parameter_groups)
+                        parameter_groups=config.parameter_groups,
+                        seed=config.seed)
     return json.loads(json.dumps(settings))
 
 
