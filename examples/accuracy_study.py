@@ -37,7 +37,6 @@ log and a few known notes hidden; set TF_CPP_MIN_LOG_LEVEL to see the log).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -45,25 +44,21 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+if __package__ in (None, ''):
+    # Run as `python examples/accuracy_study.py`: Python puts examples/ on
+    # the path, not the repository root that holds the `examples` package.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 
-
-def _load_train():
-    """Imports examples/train.py, which sits beside this script."""
-    name = 'tf_twice_examples_train'
-    if name in sys.modules:
-        return sys.modules[name]
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                        'train.py')
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-train_lib = _load_train()
+from examples.training import console
+from examples.training import data as data_lib
+from examples.training import runner
+from tf_twice import sampling
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 ROWS = ('dpsgd q=q1', 'dpsgd q=q1*q2', 'twice', 'hybrid')
 
@@ -150,11 +145,11 @@ def run_study(configs: Dict[str, Dict[str, Any]], *, seeds: Sequence[int],
     """Trains every row once per epsilon and seed (runs already in `store`
     are reused); returns the results per epsilon and row."""
     if data is None:
-        data = train_lib.load_data(common.get('dataset', 'digits'),
-                                   data_dir=common.get('data_dir'),
-                                   public_examples=public_examples)
+        data = data_lib.load_data(common.get('dataset', 'digits'),
+                                  data_dir=common.get('data_dir'),
+                                  public_examples=public_examples)
     store = store or RunStore(None, {})
-    train_fn = train_fn or train_lib.train
+    train_fn = train_fn or runner.train
     results: Results = {}
     for epsilon in target_epsilons:
         results[epsilon] = {row: [] for row in configs}
@@ -298,7 +293,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    train_lib.quiet_known_noise()
+    console.quiet_known_noise()
     f = flags.FLAGS
     try:
         seeds = [int(s) for s in f.seeds]
@@ -310,13 +305,13 @@ def main(argv: Sequence[str]) -> None:
             basis_refresh_steps=f.basis_refresh_steps, rows=f.rows)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
-    data = train_lib.load_data(f.dataset, data_dir=f.data_dir,
-                               public_examples=f.public_examples)
+    data = data_lib.load_data(f.dataset, data_dir=f.data_dir,
+                              public_examples=f.public_examples)
     n = len(data.x_train)
     if f.steps is not None:
         steps = int(f.steps)
     else:  # Every row runs the steps of the twice-sampling rows' epochs.
-        steps_per_epoch = train_lib.sampling.poisson_schedule(
+        steps_per_epoch = sampling.poisson_schedule(
             n, expected_batch_size=f.batch_size).steps_per_epoch
         steps = int(round(f.epochs * steps_per_epoch))
     common = dict(dataset=f.dataset, data_dir=f.data_dir, model=f.model,

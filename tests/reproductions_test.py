@@ -1,34 +1,15 @@
 """Fast checks of the paper-reproduction scripts in examples/ on tiny grids."""
 
-import importlib.util
 import math
-import pathlib
-import sys
 
 import dp_accounting
 import numpy as np
 import pytest
 from scipy import special
 
+from examples import reproduce_amplification as amp
+from examples import reproduce_noise_ratio_table as ratios
 from tf_twice import accounting
-
-_EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / 'examples'
-
-
-def _load(name):
-    """Imports examples/<name>.py (a script, not a package) as a module."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name,
-                                                  _EXAMPLES / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-amp = _load('reproduce_amplification')
-ratios = _load('reproduce_noise_ratio_table')
 
 ORDERS = tuple(range(2, 33))
 SIGMAS = (0.4, 0.6, 1.0, 1.5)

@@ -1,6 +1,5 @@
 """Fast checks of examples/twice_sampling_map.py on a tiny grid."""
 
-import importlib.util
 import math
 import os
 import pathlib
@@ -9,25 +8,12 @@ import sys
 
 import pytest
 
+from examples import twice_sampling_map as tsm
 import tf_twice
 from tf_twice import accounting
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _SCRIPT = _ROOT / 'examples' / 'twice_sampling_map.py'
-
-
-def _load():
-    name = 'twice_sampling_map'
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tsm = _load()
 
 DELTA = 1e-5
 D0 = 100.0

@@ -1,0 +1,309 @@
+"""The training script's settings: `TrainConfig` and its checks.
+
+`TrainConfig` has one field per command-line flag of examples/train.py;
+`check_config` checks what can be checked before the data is loaded and
+names the flag in every error. The other modules trust a checked config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from tf_twice import models
+
+MODES = ('nonprivate', 'dpsgd', 'twice', 'hybrid')
+PRIVATE_MODES = ('dpsgd', 'twice', 'hybrid')
+DATASETS = ('digits', 'fashion_mnist', 'npz', 'cifar10', 'svhn_cropped',
+            'mnist')
+OPTIMIZERS = ('sgd', 'adam')
+# Learning-rate schedules (tf.keras.optimizers.schedules), evaluated at the
+# optimizer's iteration count, which checkpoints restore.
+LR_SCHEDULES = ('constant', 'cosine', 'step')
+DEFAULT_LR_DECAY_RATE = 0.1
+# Used when neither --target_epsilon nor --noise_multiplier is given.
+DEFAULT_TARGET_EPSILON = 4.0
+DEFAULT_BATCH_SIZE = 128
+DEFAULT_EPOCHS = 40
+DEFAULT_COORDINATE_SAMPLING_RATE = 0.5
+DEFAULT_D0 = 100.0
+DEFAULT_PUBLIC_EXAMPLES = 200
+DEFAULT_RANKS = (16,)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The settings of one run; one field per command-line flag.
+
+    `None` means "the documented default" (resolved by `resolve_plan`).
+    """
+
+    mode: str = 'twice'
+    dataset: str = 'digits'
+    data_dir: Optional[str] = None
+    data_path: Optional[str] = None
+    model: str = 'small_cnn'
+    target_epsilon: Optional[float] = None
+    noise_multiplier: Optional[float] = None
+    delta: Optional[float] = None
+    example_sampling_rate: Optional[float] = None
+    batch_size: Optional[float] = None
+    coordinate_sampling_rate: Optional[float] = None
+    l2_norm_clip: float = 1.0
+    linf_norm_clip: Optional[float] = None
+    d0: Optional[float] = None
+    principal_d0: float = 1.0
+    epochs: Optional[float] = None
+    steps: Optional[int] = None
+    physical_batch_size: int = 64
+    learning_rate: float = 0.5
+    lr_schedule: str = 'constant'
+    lr_decay_steps: Optional[int] = None
+    lr_decay_rate: Optional[float] = None
+    lr_min_fraction: Optional[float] = None
+    momentum: float = 0.0
+    optimizer: str = 'sgd'
+    public_examples: Optional[int] = None
+    ranks: Optional[Sequence[int]] = None
+    parameter_groups: int = 1
+    basis_refresh_steps: int = 20
+    checkpoint_dir: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
+    seed: Optional[int] = None
+    verbose: int = 1
+
+    @classmethod
+    def from_object(cls, config: Any) -> 'TrainConfig':
+        """A TrainConfig from a TrainConfig, a mapping or flags-like object.
+
+        Missing fields take their defaults; unknown mapping keys are refused.
+        """
+        if isinstance(config, cls):
+            return dataclasses.replace(config)
+        names = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(config, Mapping):
+            unknown = sorted(set(config) - set(names))
+            if unknown:
+                raise ValueError(f'unknown settings {unknown}; allowed: '
+                                 f'{names}.')
+            return cls(**dict(config))
+        values = {}
+        for name in names:
+            if hasattr(config, name):
+                values[name] = getattr(config, name)
+        return cls(**values)
+
+
+
+def flag_error(flag: str, allowed: str, value: Any) -> ValueError:
+    return ValueError(f'--{flag} must be {allowed}; got {value!r}.')
+
+
+def check_number(flag: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise flag_error(flag, 'a number', value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise flag_error(flag, 'a number', value) from None
+    if math.isnan(number):
+        raise flag_error(flag, 'a number', value)
+    return number
+
+
+def check_positive(flag: str, value: Any, *, finite: bool = True) -> float:
+    number = check_number(flag, value)
+    if not number > 0 or (finite and math.isinf(number)):
+        raise flag_error(flag, 'a finite number > 0', value)
+    return number
+
+
+def check_integer(flag: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise flag_error(flag, f'an integer >= {low}', value)
+    if value < low:
+        raise flag_error(flag, f'an integer >= {low}', value)
+    return int(value)
+
+
+def check_choice(flag: str, value: Any, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise flag_error(flag, f'one of {", ".join(allowed)}', value)
+    return value
+
+
+def parse_ranks(ranks: Any) -> Tuple[int, ...]:
+    if ranks is None:
+        return DEFAULT_RANKS
+    if isinstance(ranks, str):
+        ranks = [r for r in ranks.split(',') if r.strip()]
+    try:
+        parsed = tuple(int(str(r).strip()) for r in ranks)
+    except (TypeError, ValueError):
+        raise flag_error('ranks', 'a comma-separated list of integers >= 1',
+                         ranks) from None
+    if not parsed or min(parsed) < 1:
+        raise flag_error('ranks', 'a comma-separated list of integers >= 1',
+                         ranks)
+    return parsed
+
+
+def check_config(config: Any) -> TrainConfig:
+    """Checks what can be checked before the data is loaded.
+
+    Returns:
+      The config as a `TrainConfig`.
+
+    Raises:
+      ValueError: naming the flag and its allowed range.
+    """
+    config = TrainConfig.from_object(config)
+    check_choice('mode', config.mode, MODES)
+    check_choice('dataset', config.dataset, DATASETS)
+    if (config.dataset == 'npz') != (config.data_path is not None):
+        raise flag_error('data_path', 'the .npz file to read for '
+                         '--dataset=npz, and unset for other datasets',
+                         config.data_path)
+    check_choice('model', config.model, tuple(sorted(models.MODELS)))
+    check_choice('optimizer', config.optimizer, OPTIMIZERS)
+    private = config.mode in PRIVATE_MODES
+    if config.target_epsilon is not None and (
+            config.noise_multiplier is not None):
+        raise ValueError('give exactly one of --target_epsilon and '
+                         '--noise_multiplier (the noise is calibrated to the '
+                         'target, or set directly); got both.')
+    if not private and (config.target_epsilon is not None
+                        or config.noise_multiplier is not None
+                        or config.delta is not None):
+        raise ValueError(
+            '--mode=nonprivate makes no privacy claim; --target_epsilon, '
+            '--noise_multiplier and --delta apply only to the modes '
+            f'{", ".join(PRIVATE_MODES)}.')
+    if config.target_epsilon is not None:
+        check_positive('target_epsilon', config.target_epsilon)
+    if config.noise_multiplier is not None:
+        check_positive('noise_multiplier', config.noise_multiplier)
+    if config.delta is not None:
+        delta = check_number('delta', config.delta)
+        if not 0.0 < delta < 1.0:
+            raise flag_error('delta', 'in (0, 1)', config.delta)
+    if config.example_sampling_rate is not None and (
+            config.batch_size is not None):
+        raise ValueError('give at most one of --example_sampling_rate (q1) '
+                         'and --batch_size (the expected batch size n * q1); '
+                         'got both.')
+    if config.example_sampling_rate is not None:
+        q1 = check_number('example_sampling_rate',
+                          config.example_sampling_rate)
+        if not 0.0 < q1 <= 1.0:
+            raise flag_error('example_sampling_rate', 'in (0, 1]',
+                             config.example_sampling_rate)
+    if config.batch_size is not None:
+        check_positive('batch_size', config.batch_size)
+    q2 = config.coordinate_sampling_rate
+    if q2 is not None:
+        q2 = check_number('coordinate_sampling_rate', q2)
+        if not 0.0 < q2 <= 1.0:
+            raise flag_error('coordinate_sampling_rate', 'in (0, 1]',
+                             config.coordinate_sampling_rate)
+        if config.mode in ('dpsgd', 'nonprivate') and q2 != 1.0:
+            raise flag_error(
+                'coordinate_sampling_rate',
+                f'1 (or unset) for --mode={config.mode}; use --mode=twice '
+                'for coordinate sampling', config.coordinate_sampling_rate)
+    check_positive('l2_norm_clip', config.l2_norm_clip)
+    if config.linf_norm_clip is not None and config.d0 is not None:
+        raise ValueError('give at most one of --linf_norm_clip and --d0 '
+                         '(c_inf = l2_norm_clip / sqrt(d0)); got both.')
+    if config.mode in ('dpsgd', 'nonprivate') and (
+            config.linf_norm_clip is not None or config.d0 is not None):
+        raise ValueError(f'--mode={config.mode} has no l-infinity clip; '
+                         '--linf_norm_clip and --d0 apply to --mode=twice '
+                         'and --mode=hybrid.')
+    if config.linf_norm_clip is not None:
+        check_positive('linf_norm_clip', config.linf_norm_clip)
+    if config.d0 is not None:
+        if check_number('d0', config.d0) < 1.0 or math.isinf(float(config.d0)):
+            raise flag_error('d0', 'a finite number >= 1', config.d0)
+    if check_number('principal_d0', config.principal_d0) < 1.0 or math.isinf(
+            float(config.principal_d0)):
+        raise flag_error('principal_d0', 'a finite number >= 1',
+                         config.principal_d0)
+    if config.epochs is not None and config.steps is not None:
+        raise ValueError('give at most one of --epochs and --steps; got '
+                         'both.')
+    if config.epochs is not None:
+        check_positive('epochs', config.epochs)
+    if config.steps is not None:
+        check_integer('steps', config.steps, 1)
+    check_integer('physical_batch_size', config.physical_batch_size, 1)
+    check_positive('learning_rate', config.learning_rate)
+    momentum = check_number('momentum', config.momentum)
+    if not 0.0 <= momentum < 1.0:
+        raise flag_error('momentum', 'in [0, 1)', config.momentum)
+    check_lr_schedule(config)
+    if config.public_examples is not None:
+        check_integer('public_examples', config.public_examples, 0)
+    if config.mode == 'hybrid':
+        if config.public_examples is not None and (
+                config.public_examples < 1):
+            raise flag_error('public_examples',
+                             'an integer >= 1 for --mode=hybrid',
+                             config.public_examples)
+        config.ranks = parse_ranks(config.ranks)
+    elif config.ranks is not None:
+        config.ranks = parse_ranks(config.ranks)
+    check_integer('parameter_groups', config.parameter_groups, 1)
+    check_integer('basis_refresh_steps', config.basis_refresh_steps, 0)
+    if config.seed is not None:
+        check_integer('seed', config.seed, 0)
+    check_integer('verbose', config.verbose, 0)
+    return config
+
+
+def check_lr_schedule(config: TrainConfig) -> None:
+    """Checks --lr_schedule and the flags that only some schedules take.
+
+    constant: none of them. cosine: --lr_decay_steps (default: the planned
+    steps) and --lr_min_fraction (the final rate over the initial, default
+    0). step: --lr_decay_steps (required: the rate is multiplied by
+    --lr_decay_rate, default 0.1, every that many steps).
+    """
+    schedule = check_choice('lr_schedule', config.lr_schedule, LR_SCHEDULES)
+    takes = {'constant': (), 'cosine': ('lr_decay_steps', 'lr_min_fraction'),
+             'step': ('lr_decay_steps', 'lr_decay_rate')}[schedule]
+    for flag in ('lr_decay_steps', 'lr_decay_rate', 'lr_min_fraction'):
+        if getattr(config, flag) is not None and flag not in takes:
+            raise ValueError(f'--{flag} does not apply to --lr_schedule='
+                             f'{schedule}; it applies to '
+                             + ' and '.join(
+                                 f'--lr_schedule={s}' for s, names in (
+                                     ('cosine', ('lr_decay_steps',
+                                                 'lr_min_fraction')),
+                                     ('step', ('lr_decay_steps',
+                                               'lr_decay_rate')))
+                                 if flag in names) + '.')
+    if schedule == 'step' and config.lr_decay_steps is None:
+        raise flag_error('lr_decay_steps', 'an integer >= 1 for '
+                         '--lr_schedule=step (the steps between decays)',
+                         None)
+    if config.lr_decay_steps is not None:
+        check_integer('lr_decay_steps', config.lr_decay_steps, 1)
+    if config.lr_decay_rate is not None:
+        rate = check_number('lr_decay_rate', config.lr_decay_rate)
+        if not 0.0 < rate <= 1.0:
+            raise flag_error('lr_decay_rate', 'in (0, 1]',
+                             config.lr_decay_rate)
+    if config.lr_min_fraction is not None:
+        fraction = check_number('lr_min_fraction', config.lr_min_fraction)
+        if not 0.0 <= fraction < 1.0:
+            raise flag_error('lr_min_fraction', 'in [0, 1)',
+                             config.lr_min_fraction)
+
+
+def default_delta(num_examples: int) -> float:
+    """1 / n rounded down to a power of ten, and at most 1e-5."""
+    return min(1e-5, 10.0 ** math.floor(math.log10(1.0 / num_examples)))

@@ -1,0 +1,71 @@
+"""Checks of examples/accuracy_study.py: its rows, tables, store and plot.
+
+The study's training runs are replaced by a fake that encodes each run in
+its accuracy, so the tables can be checked without training.
+"""
+
+import pytest
+
+from examples import accuracy_study as study
+
+
+def test_accuracy_study_table():
+    configs = study.row_configs(batch_size=128, coordinate_sampling_rate=0.5,
+                                d0=100, ranks=[16], basis_refresh_steps=20)
+    assert configs['dpsgd q=q1*q2']['batch_size'] == 64
+    assert configs['twice']['coordinate_sampling_rate'] == 0.5
+    with pytest.raises(ValueError, match='--rows'):
+        study.row_configs(batch_size=128, coordinate_sampling_rate=0.5,
+                          d0=100, ranks=[16], basis_refresh_steps=20,
+                          rows=['sparse'])
+    run = dict(expected_batch_size=128.0, coordinate_sampling_rate=0.5,
+               noise_multiplier=[4.0, 1.5], epsilon=3.99, total_steps=400)
+    table = study.markdown_table({'hybrid': [
+        dict(run, test_accuracy=a) for a in (0.8, 0.9, 0.85)]})
+    assert '| hybrid | 128 | 0.5 | 4, 1.5 | 3.990 | 400 | 85.0 % ' \
+        '| 80.0 - 90.0 % | 3 |' in table
+
+
+def test_accuracy_study_keeps_runs_and_plots(tmp_path):
+    configs = study.row_configs(batch_size=64, coordinate_sampling_rate=0.5,
+                                d0=100, ranks=[4], basis_refresh_steps=5,
+                                rows=['dpsgd q=q1', 'twice'])
+    calls = []
+
+    def fake_train(config, data):
+        # Accuracy encodes the run, so that the tables can be checked.
+        calls.append(config)
+        accuracy = 0.5 + 0.1 * config['target_epsilon'] / 8 + (
+            0.01 * config['seed'])
+        return dict(test_accuracy=accuracy, epsilon=config['target_epsilon'],
+                    train_seconds=1.0, delta=1e-5, statement='not kept',
+                    expected_batch_size=config['batch_size'],
+                    coordinate_sampling_rate=config.get(
+                        'coordinate_sampling_rate', 1.0),
+                    noise_multiplier=[1.0], total_steps=config['steps'])
+
+    settings = dict(steps=7, rows=configs)
+    path = str(tmp_path / 'runs.json')
+    kwargs = dict(seeds=[0, 1], common=dict(steps=7), public_examples=0,
+                  data=object(), train_fn=fake_train, log=lambda _: None)
+    first = study.run_study(configs, target_epsilons=[1.0],
+                            store=study.RunStore(path, settings), **kwargs)
+    assert len(calls) == 4
+    assert {c['target_epsilon'] for c in calls} == {1.0}
+    # A second part of the study reruns nothing it already has.
+    both = study.run_study(configs, target_epsilons=[1.0, 8.0],
+                           store=study.RunStore(path, settings), **kwargs)
+    assert len(calls) == 8
+    assert {c['target_epsilon'] for c in calls[4:]} == {8.0}
+    assert both[1.0] == first[1.0]
+    assert [r['test_accuracy'] for r in both[8.0]['twice']] == [0.6, 0.61]
+    assert 'statement' not in both[8.0]['twice'][0]
+    table = study.markdown_table(both[8.0])
+    assert '| twice | 64 | 0.5 | 1 | 8.000 | 7 | 60.5 % | 60.0 - 61.0 % ' \
+        '| 2 |' in table
+    with pytest.raises(ValueError, match='--results_json'):
+        study.RunStore(path, dict(settings, steps=8))
+    png = tmp_path / 'plot' / 'accuracy.png'
+    study.plot_accuracy(both, str(png),
+                        published=study.PUBLISHED['fashion_mnist'])
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
