@@ -119,7 +119,7 @@ from tf_twice import sampling
 from tf_twice.hybrid import budgets as hybrid_budgets
 from tf_twice.keras import DPModel
 from tf_twice.keras import PrivacyLedger
-from tf_twice.mechanism import basis as basis_lib
+from tf_twice.keras import basis_refresh as basis_lib  # also has learn_basis
 
 MODES = ('nonprivate', 'dpsgd', 'twice', 'hybrid')
 PRIVATE_MODES = ('dpsgd', 'twice', 'hybrid')

@@ -131,7 +131,8 @@ def test_whole_step_matches_numpy_reference():
         seed=42, learning_rate=lr)
     key = _FIXED_KEY
     shapes = [w0.shape, b0.shape]
-    masks = [m.numpy() for m in agg.coordinate_masks(key, shapes, q2, BATCH)]
+    masks = [m.numpy() for m in agg.coordinate_masks(
+        key, shapes, q2, BATCH)]
     noise = [e.numpy() for e in agg.standard_normal_noise(
         key, shapes, [tf.float32] * 2)]
     w1, b1 = _one_step(model, opt, x, y, fix_key=True)
@@ -296,14 +297,14 @@ def test_apply_without_dp_gradients_is_refused():
 def test_optimizer_with_a_basis_runs_the_hybrid_step():
     # Softmax regression: the optimizer's update equals the shared hybrid
     # step on the same per-example gradients and key.
-    from tf_twice.mechanism import basis as basis_lib
+    from tf_twice.hybrid import learning
     from tf_twice.mechanism import hybrid
     model = _linear()
     x, y = _data()
     w, b = [v.numpy() for v in model.trainable_variables]
     grads = _softmax_per_example_grads(w, b, x, y)
-    basis = basis_lib.learn_basis([g.astype(np.float32) for g in grads],
-                                  [2], groups=2)
+    basis = learning.learn_basis([g.astype(np.float32) for g in grads],
+                                 [2], groups=2)
     config = TwiceSamplingConfig(
         num_examples=100, expected_batch_size=BATCH,
         coordinate_sampling_rate=0.5,
