@@ -23,6 +23,7 @@ from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import basis_refresh
 from tf_twice.keras import guards
 from tf_twice.mechanism import aggregation as agg
+from tf_twice.mechanism import randomness
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
 
@@ -199,7 +200,7 @@ def test_without_a_basis_the_step_is_the_single_block_step():
         num_examples=NUM_EXAMPLES, l2_norm_clip=0.6, linf_norm_clip=0.15,
         noise_multiplier=1.0, coordinate_sampling_rate=0.5,
         expected_batch_size=6.0)
-    key = agg.draw_step_key(tf.random.Generator.from_seed(2))
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(2))
     sums = hybrid.block_sums(grads, params, key=key, example_offset=3)
     update = hybrid.noisy_update(sums, params, key=key)
     want = agg.add_noise_and_normalize(
@@ -232,7 +233,7 @@ def test_noise_of_every_block_has_its_own_std_and_is_independent():
 
     @tf.function
     def released():
-        key = agg.draw_step_key(gen)
+        key = randomness.draw_step_key(gen)
         sums = hybrid.block_sums(zeros, params, basis=basis, key=key)
         return agg.add_block_noise_and_normalize(
             sums, l2_norm_clips=params.l2_norm_clips,
@@ -266,7 +267,7 @@ def test_composed_update_has_the_hybrid_noise_covariance():
 
     @tf.function
     def update():
-        key = agg.draw_step_key(gen)
+        key = randomness.draw_step_key(gen)
         return hybrid.noisy_update(
             hybrid.block_sums(zeros, params, basis=basis, key=key), params,
             basis=basis, key=key)[0]
