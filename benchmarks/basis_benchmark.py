@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 
 from tf_twice import models  # noqa: E402
 from tf_twice.hybrid import budgets as hybrid_budgets  # noqa: E402
+from tf_twice.hybrid import learning  # noqa: E402
+from tf_twice.keras import basis_refresh  # noqa: E402
 from tf_twice.mechanism import basis as basis_lib  # noqa: E402
 
 IMAGE_SHAPE = (32, 32, 3)
@@ -51,8 +53,8 @@ def reference_model() -> tf.keras.Model:
 
 def scaled_ranks(k: int):
     """Ranks summing to k in the proportions of PAPER_RANKS."""
-    table = basis_lib.split_group_ranks([k], list(PAPER_RANKS),
-                                        'proportional')
+    table = learning.split_group_ranks([k], list(PAPER_RANKS),
+                                       'proportional')
     return [row[0] for row in table]
 
 
@@ -73,7 +75,7 @@ def main() -> None:
     parser.add_argument('--k', type=int, default=256,
                         help='principal dimensions (default 256)')
     parser.add_argument('--power-iterations', type=int,
-                        default=basis_lib.DEFAULT_POWER_ITERATIONS)
+                        default=learning.DEFAULT_POWER_ITERATIONS)
     args = parser.parse_args()
 
     tf.keras.utils.set_random_seed(0)
@@ -91,20 +93,20 @@ def main() -> None:
           f'{os.cpu_count()} CPU cores')
 
     # Warm-up traces the 256-example chunk the timed call uses.
-    basis_lib.public_per_example_gradients(model, loss, x[:256], y[:256])
-    grads, t_grads = timed(basis_lib.public_per_example_gradients, model,
-                           loss, x, y)
+    basis_refresh.public_per_example_gradients(model, loss, x[:256], y[:256])
+    grads, t_grads = timed(basis_refresh.public_per_example_gradients,
+                           model, loss, x, y)
     print(f'  public per-example gradients: {t_grads:6.2f} s '
           f'({args.public / t_grads:,.0f} examples/s)')
 
-    layers = basis_lib.groups_by_layer(model)
+    layers = learning.groups_by_layer(model)
     configs = [('1 group', None, 'sqrt'),
                (f'{len(layers)} groups (per layer, sqrt split)', layers,
                 'sqrt'),
                ('4 groups (balanced, equal split)', 4, 'equal')]
     batch = [g[:256] for g in grads]
     for name, groups, split in configs:
-        basis, t_learn = timed(basis_lib.learn_basis, grads, ranks,
+        basis, t_learn = timed(learning.learn_basis, grads, ranks,
                                groups=groups, rank_split=split,
                                power_iterations=args.power_iterations)
         _, t_check = timed(basis_lib.HybridBasis, basis.group_matrices,
@@ -135,7 +137,7 @@ def main() -> None:
           '(memory d*k/g; arithmetic only):')
     for g in (1, 2, 4, 8, 16, 32, 64):
         dims = [RESNET22_DIM // g + (i < RESNET22_DIM % g) for i in range(g)]
-        table = basis_lib.split_group_ranks(PAPER_RANKS, dims, 'equal')
+        table = learning.split_group_ranks(PAPER_RANKS, dims, 'equal')
         mem = basis_lib.basis_memory_bytes(dims, table)
         flops = 4 * sum(dd * sum(r) for dd, r in zip(dims, table))
         print(f'  g = {g:3d}: {gib(mem)}; project + reconstruct '

@@ -48,7 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 from tf_twice import models  # noqa: E402
 from tf_twice.config import Block, TwiceSamplingConfig  # noqa: E402
 from tf_twice.hybrid import budgets  # noqa: E402
+from tf_twice.hybrid import learning  # noqa: E402
 from tf_twice.keras import DPModel  # noqa: E402
+from tf_twice.keras import basis_refresh  # noqa: E402
 from tf_twice.mechanism import basis as basis_lib  # noqa: E402
 
 IMAGE_SHAPE = (32, 32, 3)
@@ -63,8 +65,8 @@ def _loss():
 
 def scaled_ranks(k: int) -> List[int]:
     """Ranks summing to k in the proportions of PAPER_RANKS."""
-    table = basis_lib.split_group_ranks([k], list(PAPER_RANKS),
-                                        'proportional')
+    table = learning.split_group_ranks([k], list(PAPER_RANKS),
+                                       'proportional')
     return [row[0] for row in table]
 
 
@@ -140,7 +142,7 @@ def cnn(args) -> None:
     rng = np.random.default_rng(1)
     public = (rng.random((args.public,) + IMAGE_SHAPE, dtype=np.float32),
               rng.integers(0, NUM_CLASSES, args.public))
-    layers = basis_lib.groups_by_layer(probe)
+    layers = learning.groups_by_layer(probe)
     groupings = [('1 group', None, 'sqrt'),
                  ('per layer, sqrt split', layers, 'sqrt'),
                  ('per layer, equal split', layers, 'equal'),
@@ -154,7 +156,7 @@ def cnn(args) -> None:
     for name, groups, split in groupings:
         tf.keras.utils.set_random_seed(0)
         inner = models.small_cnn(IMAGE_SHAPE, NUM_CLASSES)
-        refresh = basis_lib.BasisRefresh(
+        refresh = basis_refresh.BasisRefresh(
             inner, public, _loss(), every_steps=100, ranks=ranks,
             groups=groups, rank_split=split,
             power_iterations=args.power_iterations)
@@ -201,9 +203,9 @@ def random_basis(model: tf.keras.Model, num_groups: int,
     """Random orthonormal blocks with the shapes of a learned basis."""
     shapes = [tuple(v.shape) for v in model.trainable_variables]
     sizes = [int(np.prod(s)) for s in shapes]
-    groups = basis_lib.partition_variables(sizes, num_groups)
+    groups = learning.partition_variables(sizes, num_groups)
     dims = [sum(sizes[v] for v in g) for g in groups]
-    table = basis_lib.split_group_ranks(ranks, dims, 'equal')
+    table = learning.split_group_ranks(ranks, dims, 'equal')
     rng = np.random.default_rng(0)
     matrices = [np.linalg.qr(rng.standard_normal((dg, sum(row)),
                                                  dtype=np.float32))[0]
@@ -261,7 +263,7 @@ def main(argv=None) -> None:
     parser.add_argument('--k', type=int, default=256)
     parser.add_argument('--public', type=int, default=512)
     parser.add_argument('--power-iterations', type=int,
-                        default=basis_lib.DEFAULT_POWER_ITERATIONS)
+                        default=learning.DEFAULT_POWER_ITERATIONS)
     parser.add_argument('--steps', type=int, default=5,
                         help='timed steps per round (CNN)')
     parser.add_argument('--rounds', type=int, default=3)

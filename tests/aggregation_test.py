@@ -7,8 +7,10 @@ import pytest
 import tensorflow as tf
 
 from tf_twice import config as config_lib
+from tf_twice import mechanism
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.mechanism import aggregation as agg
+from tf_twice.mechanism import randomness
 
 SHAPES = [(3, 2), (5,), (1, 4, 3)]
 
@@ -64,12 +66,12 @@ def test_matches_numpy_reference():
 def test_generated_masks_match_reference(c_inf):
     batch, q2 = 6, 0.25
     grads = _grads(batch, seed=3, scale=3.0)
-    key = agg.draw_step_key(tf.random.Generator.from_seed(5))
-    masks = agg.coordinate_masks(key, SHAPES, q2, batch)
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(5))
+    masks = randomness.coordinate_masks(key, SHAPES, q2, batch)
     sums = agg.clipped_masked_sum(
         grads, l2_norm_clip=1.0, linf_norm_clip=c_inf,
         coordinate_sampling_rate=q2, key=key)
-    noise = agg.standard_normal_noise(key, SHAPES, [tf.float32] * 3)
+    noise = randomness.standard_normal_noise(key, SHAPES, [tf.float32] * 3)
     update = agg.add_noise_and_normalize(
         sums, l2_norm_clip=1.0, noise_multiplier=2.0, expected_batch_size=4,
         coordinate_sampling_rate=q2, key=key)
@@ -84,7 +86,7 @@ def test_generated_masks_match_reference(c_inf):
     (1 / 3, 0.2, np.float64), (1.0, 0.2, np.float32)])
 def test_fused_kernel_equals_unfused(q2, c_inf, dtype):
     grads = [g.astype(dtype) for g in _grads(9, seed=10, scale=2.0)]
-    key = agg.draw_step_key(tf.random.Generator.from_seed(2))
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(2))
     kwargs = dict(l2_norm_clip=1.0, linf_norm_clip=c_inf,
                   coordinate_sampling_rate=q2, key=key, example_offset=5,
                   weights=np.linspace(0, 1, 9).astype(dtype))
@@ -143,9 +145,9 @@ def test_weights_outside_unit_interval_are_refused():
 
 @pytest.mark.parametrize('q2', [0.5, 0.25, 1 / 3])
 def test_masks_do_not_depend_on_chunking(q2):
-    key = agg.draw_step_key(tf.random.Generator.from_seed(11))
-    full = agg.coordinate_masks(key, SHAPES, q2, 10)
-    parts = [agg.coordinate_masks(key, SHAPES, q2, size, offset)
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(11))
+    full = randomness.coordinate_masks(key, SHAPES, q2, 10)
+    parts = [randomness.coordinate_masks(key, SHAPES, q2, size, offset)
              for offset, size in [(0, 3), (3, 4), (7, 3)]]
     for k in range(len(SHAPES)):
         joined = np.concatenate([p[k].numpy() for p in parts])
@@ -170,8 +172,8 @@ def test_mask_rate(q2):
     # errors of the realised rate, which is within 2**-16 of q2.
     rate = agg.effective_coordinate_sampling_rate(q2)
     assert 0 <= q2 - rate < 2.0**-16
-    key = agg.draw_step_key(tf.random.Generator.from_seed(7))
-    masks = agg.coordinate_masks(key, [(1000,), (1000,)], q2, 400)
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(7))
+    masks = randomness.coordinate_masks(key, [(1000,), (1000,)], q2, 400)
     kept = masks[0].numpy()
     n = kept.size
     stderr = math.sqrt(rate * (1 - rate) / n)
@@ -192,7 +194,7 @@ def test_noiseless_update_is_unbiased():
 
     @tf.function
     def one_step():
-        key = agg.draw_step_key(gen)
+        key = randomness.draw_step_key(gen)
         sums = agg.clipped_masked_sum(
             grads, l2_norm_clip=1.0, linf_norm_clip=0.25,
             coordinate_sampling_rate=q2, key=key)
@@ -225,7 +227,7 @@ def test_noise_std_and_normalisation():
     z, c2, exp_batch, q2 = 1.3, 0.7, 50.0, 0.25
     shapes = [(300, 200), (60000,)]
     zeros = [np.zeros((2,) + s, np.float32) for s in shapes]
-    key = agg.draw_step_key(tf.random.Generator.from_seed(13))
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(13))
     sums = agg.clipped_masked_sum(zeros, l2_norm_clip=c2,
                                   coordinate_sampling_rate=q2, key=key)
     update = agg.add_noise_and_normalize(
@@ -244,7 +246,7 @@ def test_noise_std_and_normalisation():
 def test_same_key_same_result_and_new_key_differs():
     grads = _grads(5, seed=6)
     gen = tf.random.Generator.from_seed(1)
-    k1, k2 = agg.draw_step_key(gen), agg.draw_step_key(gen)
+    k1, k2 = randomness.draw_step_key(gen), randomness.draw_step_key(gen)
     kwargs = dict(l2_norm_clip=1.0, coordinate_sampling_rate=0.5)
     a = agg.clipped_masked_sum(grads, key=k1, **kwargs)
     b = agg.clipped_masked_sum(grads, key=k1, **kwargs)
@@ -287,11 +289,11 @@ def test_invalid_parameters_name_the_argument(kwargs, name):
 
 
 def test_mask_bits_per_coordinate():
-    assert agg.mask_bits_per_coordinate(0.5) == 1
-    assert agg.mask_bits_per_coordinate(0.75) == 2
-    assert agg.mask_bits_per_coordinate(1 / 16) == 4
-    assert agg.mask_bits_per_coordinate(3 / 256) == 8
-    assert agg.mask_bits_per_coordinate(1 / 3) == 16
+    assert randomness.mask_bits_per_coordinate(0.5) == 1
+    assert randomness.mask_bits_per_coordinate(0.75) == 2
+    assert randomness.mask_bits_per_coordinate(1 / 16) == 4
+    assert randomness.mask_bits_per_coordinate(3 / 256) == 8
+    assert randomness.mask_bits_per_coordinate(1 / 3) == 16
 
 
 def test_effective_rate():
@@ -307,7 +309,7 @@ def test_effective_rate():
 
 def test_one_block_is_exactly_the_single_block_aggregation():
     grads = _grads(7, seed=12, scale=2.0)
-    key = agg.draw_step_key(tf.random.Generator.from_seed(3))
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(3))
     kwargs = dict(coordinate_sampling_rate=0.5, key=key, example_offset=2,
                   weights=np.linspace(0, 1, 7).astype(np.float32))
     single = agg.clipped_masked_sum(grads, l2_norm_clip=0.8,
@@ -335,14 +337,14 @@ def test_blocks_draw_independent_masks_and_noise_from_one_key():
     # Two blocks of identical shapes under the same step key: their masks
     # and noise must come from different streams, i.e. differ and be
     # uncorrelated (|corr| < 5 standard errors of 1/sqrt(n)).
-    key = agg.draw_step_key(tf.random.Generator.from_seed(21))
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(21))
     shapes = [(1000,), (30, 20)]
     masks = [np.concatenate([m.numpy().reshape(200, -1) for m in
-                             agg.coordinate_masks(key, shapes, 0.5, 200,
-                                                  block=j)], axis=1)
+                             randomness.coordinate_masks(
+                                 key, shapes, 0.5, 200, block=j)], axis=1)
              for j in range(3)]
     noise = [np.concatenate([e.numpy().ravel() for e in
-                             agg.standard_normal_noise(
+                             randomness.standard_normal_noise(
                                  key, [(100000,), (30, 20)], [tf.float32] * 2,
                                  block=j)]) for j in range(3)]
     for j, k in [(0, 1), (0, 2), (1, 2)]:
@@ -353,20 +355,20 @@ def test_blocks_draw_independent_masks_and_noise_from_one_key():
     # Block 0 is the single-block layout.
     np.testing.assert_array_equal(
         masks[0][:, :1000],
-        agg.coordinate_masks(key, shapes, 0.5, 200)[0].numpy())
+        randomness.coordinate_masks(key, shapes, 0.5, 200)[0].numpy())
 
 
 def test_block_sums_use_each_blocks_own_streams():
     # Identical gradients in two blocks: generated masks make their sums
     # differ, and each block's sum equals the sum with block j's masks.
     grads = _grads(6, seed=14, scale=0.2)
-    key = agg.draw_step_key(tf.random.Generator.from_seed(8))
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(8))
     sums = agg.clipped_masked_block_sums(
         [grads, grads], l2_norm_clips=[10.0, 10.0],
         coordinate_sampling_rate=0.5, key=key, jit_compile=False)
     assert not np.allclose(sums[0][0].numpy(), sums[1][0].numpy())
     for j in range(2):
-        masks = agg.coordinate_masks(key, SHAPES, 0.5, 6, block=j)
+        masks = randomness.coordinate_masks(key, SHAPES, 0.5, 6, block=j)
         want = agg.clipped_masked_sum(grads, l2_norm_clip=10.0,
                                       coordinate_sampling_rate=0.5,
                                       masks=masks)
@@ -377,8 +379,8 @@ def test_block_sums_use_each_blocks_own_streams():
         [[tf.zeros(s) for s in SHAPES]] * 2, l2_norm_clips=[1.0, 1.0],
         noise_multipliers=[1.0, 1.0], expected_batch_size=1.0, key=key)
     for j in range(2):
-        want = agg.standard_normal_noise(key, SHAPES, [tf.float32] * 3,
-                                         block=j)
+        want = randomness.standard_normal_noise(key, SHAPES, [tf.float32] * 3,
+                                                block=j)
         for a, b in zip(noisy[j], want):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
 
@@ -413,7 +415,7 @@ def test_empty_tensors_in_a_block_sum_to_empty():
     grads = [np.ones((3, 0), np.float32), np.ones((3, 2), np.float32)]
     sums = agg.clipped_masked_block_sums(
         [grads], l2_norm_clips=[1.0], coordinate_sampling_rate=0.5,
-        key=agg.draw_step_key(tf.random.Generator.from_seed(1)))
+        key=randomness.draw_step_key(tf.random.Generator.from_seed(1)))
     assert sums[0][0].shape == (0,) and sums[0][1].shape == (2,)
 
 
@@ -468,7 +470,7 @@ def test_per_block_config():
     assert one.num_blocks == 1 and one.linf_norm_clips == (None,)
     # The kernel's arguments follow the config's block order.
     grads = _grads(3, seed=9)
-    key = agg.draw_step_key(tf.random.Generator.from_seed(4))
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(4))
     sums = agg.clipped_masked_block_sums(
         [grads, grads], l2_norm_clips=config.l2_norm_clips,
         linf_norm_clips=config.linf_norm_clips, key=key)
@@ -481,8 +483,11 @@ def test_per_block_config():
 def test_q2_arithmetic_is_the_configs():
     assert agg.effective_coordinate_sampling_rate is (
         config_lib.effective_coordinate_sampling_rate)
-    assert agg.mask_bits_per_coordinate is config_lib.mask_bits_per_coordinate
-    assert agg.MASK_PRECISION_BITS == config_lib.MASK_PRECISION_BITS
+    assert randomness.effective_coordinate_sampling_rate is (
+        config_lib.effective_coordinate_sampling_rate)
+    assert randomness.mask_bits_per_coordinate is (
+        config_lib.mask_bits_per_coordinate)
+    assert mechanism.MASK_PRECISION_BITS == config_lib.MASK_PRECISION_BITS
 
 
 if __name__ == '__main__':

@@ -7,6 +7,8 @@ import pytest
 import tensorflow as tf
 
 from tf_twice.hybrid import budgets
+from tf_twice.hybrid import learning
+from tf_twice.keras import basis_refresh
 from tf_twice.mechanism import basis as basis_lib
 
 SHAPES = [(4, 5), (30,), (10, 10), (5, 14)]  # d = 20 + 30 + 100 + 70 = 220
@@ -70,8 +72,8 @@ def _dense(basis):
 
 @pytest.fixture(scope='module')
 def grouped_basis():
-    return basis_lib.learn_basis(_per_variable(40, rank=12), [3, 5, 4],
-                                 groups=GROUPS, seed=3)
+    return learning.learn_basis(_per_variable(40, rank=12), [3, 5, 4],
+                                groups=GROUPS, seed=3)
 
 
 def test_blocks_orthonormal_and_mutually_orthogonal(grouped_basis):
@@ -92,7 +94,7 @@ def test_blocks_orthonormal_and_mutually_orthogonal(grouped_basis):
 def test_recovers_known_subspaces_in_order():
     s = [100, 90, 80, 30, 25, 20, 15] + list(5 * 0.9**np.arange(20))
     matrix, v = _known_spectrum(s)
-    basis = basis_lib.learn_basis(matrix, [3, 4], power_iterations=8)
+    basis = learning.learn_basis(matrix, [3, 4], power_iterations=8)
     first, second = basis.block(0, 0).numpy(), basis.block(0, 1).numpy()
     assert _distance(first, v[:, :3]) < 1e-4
     assert _distance(second, v[:, 3:7]) < 1e-4
@@ -105,8 +107,8 @@ def test_matches_paper_algorithm_with_explicit_deflation():
     # agreement checks the algorithm (same random starts), not convergence.
     matrix, v = _known_spectrum(np.geomspace(10, 1, 40), seed=4)
     ranks, iterations, seed = [4, 6], 2, 7
-    basis = basis_lib.learn_basis(matrix, ranks,
-                                  power_iterations=iterations, seed=seed)
+    basis = learning.learn_basis(matrix, ranks,
+                                 power_iterations=iterations, seed=seed)
 
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0]))
     m = matrix.astype(np.float64)
@@ -124,9 +126,9 @@ def test_matches_paper_algorithm_with_explicit_deflation():
 
 def test_deterministic_given_seed():
     grads = _per_variable(30, rank=8)
-    a = basis_lib.learn_basis(grads, [2, 3], groups=GROUPS, seed=5)
-    b = basis_lib.learn_basis(grads, [2, 3], groups=GROUPS, seed=5)
-    c = basis_lib.learn_basis(grads, [2, 3], groups=GROUPS, seed=6)
+    a = learning.learn_basis(grads, [2, 3], groups=GROUPS, seed=5)
+    b = learning.learn_basis(grads, [2, 3], groups=GROUPS, seed=5)
+    c = learning.learn_basis(grads, [2, 3], groups=GROUPS, seed=6)
     for x, y, z in zip(a.group_matrices, b.group_matrices, c.group_matrices):
         np.testing.assert_array_equal(x.numpy(), y.numpy())
         assert not np.array_equal(x.numpy(), z.numpy())
@@ -209,11 +211,11 @@ def test_groups_divide_memory():
     shapes = [(50,)] * 4
     grads = [np.random.default_rng(i).standard_normal((30, 50)).astype(
         np.float32) for i in range(4)]
-    whole = basis_lib.learn_basis(grads, [8, 16])
+    whole = learning.learn_basis(grads, [8, 16])
     assert whole.memory_floats == 200 * 24
     for g in (2, 4):
-        split = basis_lib.learn_basis(grads, [8, 16], groups=g,
-                                      rank_split='equal')
+        split = learning.learn_basis(grads, [8, 16], groups=g,
+                                     rank_split='equal')
         assert split.ranks == (8, 16)
         assert split.memory_floats == 200 * 24 // g
         assert split.memory_bytes == 4 * split.memory_floats
@@ -284,20 +286,20 @@ def test_construction_validation(kwargs, match):
 ])
 def test_learn_basis_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        basis_lib.learn_basis(_per_variable(8), **kwargs)
+        learning.learn_basis(_per_variable(8), **kwargs)
 
 
 def test_learn_basis_refuses_non_finite_gradients():
     grads = _per_variable(8)
     grads[1][0, 0] = np.inf
     with pytest.raises(ValueError, match='finite'):
-        basis_lib.learn_basis(grads, [2])
+        learning.learn_basis(grads, [2])
 
 
 def test_rank_beyond_public_examples_stays_orthonormal():
     grads = _per_variable(10, seed=12)
     with pytest.warns(UserWarning, match='public examples'):
-        basis = basis_lib.learn_basis(grads, [6, 8], power_iterations=2)
+        basis = learning.learn_basis(grads, [6, 8], power_iterations=2)
     u = basis.group_matrices[0].numpy().astype(np.float64)
     assert _gram_error(u) < 1e-5
     # The 10 public gradients lie in the span of the 14 directions.
@@ -310,7 +312,7 @@ def test_steep_spectrum_beyond_its_rank():
     # for (45) than the rank of M (40, from 60 examples): still orthonormal,
     # and the blocks span all of M's rows.
     matrix, _ = _known_spectrum(np.geomspace(1e4, 1e-4, 40), seed=5)
-    basis = basis_lib.learn_basis(matrix, [10, 20, 15], power_iterations=4)
+    basis = learning.learn_basis(matrix, [10, 20, 15], power_iterations=4)
     u = basis.group_matrices[0].numpy().astype(np.float64)
     assert _gram_error(u) < 1e-5
     m = matrix.astype(np.float64)
@@ -326,45 +328,45 @@ def test_orthonormalisation_of_ill_conditioned_iterates():
     v, _ = np.linalg.qr(rng.standard_normal((6, 6)))
     w = ((a * np.geomspace(1, 1e-5, 6)) @ v
          + previous @ rng.standard_normal((4, 6)))
-    q = basis_lib._orthonormal_columns(w, previous, rng, final=True)
+    q = learning._orthonormal_columns(w, previous, rng, final=True)
     assert q.shape == (300, 6)
     assert _gram_error(q) < 1e-12
     assert np.max(np.abs(previous.T @ q)) < 1e-12
     # Rank-revealing: 3 independent directions among 5 columns.
     low = rng.standard_normal((300, 3)) @ rng.standard_normal((3, 5))
-    assert basis_lib._gram_orthonormalize(low).shape == (300, 3)
-    filled = basis_lib._orthonormal_columns(low, previous, rng, final=True)
+    assert learning._gram_orthonormalize(low).shape == (300, 3)
+    filled = learning._orthonormal_columns(low, previous, rng, final=True)
     assert filled.shape == (300, 5) and _gram_error(filled) < 1e-12
     assert np.max(np.abs(previous.T @ filled)) < 1e-12
 
 
 def test_split_group_ranks():
     dims = [10000, 2500, 100, 2]
-    table = basis_lib.split_group_ranks([30, 60], dims, 'sqrt')
+    table = learning.split_group_ranks([30, 60], dims, 'sqrt')
     assert [sum(row[j] for row in table) for j in range(2)] == [30, 60]
     # sqrt(d_g) weights 100 : 50 : 10 : 1.4 give quotas 18.59, 9.29, 1.86,
     # 0.26: floors plus the two largest remainders.
     assert [row[0] for row in table] == [19, 9, 2, 0]
     assert all(sum(row) <= d for row, d in zip(table, dims))
-    equal = basis_lib.split_group_ranks([8, 9], [50, 50, 50, 50], 'equal')
+    equal = learning.split_group_ranks([8, 9], [50, 50, 50, 50], 'equal')
     assert [row[0] for row in equal] == [2, 2, 2, 2]
     assert sorted(row[1] for row in equal) == [2, 2, 2, 3]
     # Group 0 has 2 coordinates: its cap binds and the rest goes to group 1.
-    assert basis_lib.split_group_ranks([6, 3], [2, 100], 'equal') == [
+    assert learning.split_group_ranks([6, 3], [2, 100], 'equal') == [
         [2, 0], [4, 3]]
     with pytest.raises(ValueError, match='at most d'):
-        basis_lib.split_group_ranks([5], [2, 2])
+        learning.split_group_ranks([5], [2, 2])
 
 
 def test_partition_variables():
     sizes = [432, 2304, 2304, 4608, 9216, 18432, 36864, 5770]
-    groups = basis_lib.partition_variables(sizes, 3)
+    groups = learning.partition_variables(sizes, 3)
     assert [v for g in groups for v in g] == list(range(len(sizes)))
     assert all(groups)
     assert groups[-1] == [6, 7]
-    assert basis_lib.partition_variables([1, 1], 2) == [[0], [1]]
+    assert learning.partition_variables([1, 1], 2) == [[0], [1]]
     with pytest.raises(ValueError, match='num_groups'):
-        basis_lib.partition_variables([1, 1], 3)
+        learning.partition_variables([1, 1], 3)
 
 
 def test_public_block_norms_match_numpy(grouped_basis):
@@ -405,18 +407,18 @@ def test_keras_public_gradients_match_tape():
     x = rng.standard_normal((7, 5)).astype(np.float32)
     y = rng.integers(0, 3, 7)
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    grads = basis_lib.public_per_example_gradients(model, loss, x, y,
-                                                   batch_size=3)
+    grads = basis_refresh.public_per_example_gradients(model, loss, x, y,
+                                                       batch_size=3)
     for i in range(7):
         with tf.GradientTape() as tape:
             value = loss(y[i:i + 1], model(x[i:i + 1]))
         expected = tape.gradient(value, model.trainable_variables)
         for g, e in zip(grads, expected):
             np.testing.assert_allclose(g[i], e.numpy(), atol=1e-6)
-    groups = basis_lib.groups_by_layer(model)
+    groups = learning.groups_by_layer(model)
     assert groups == [[0, 1], [2, 3]]
-    matrices = basis_lib.public_gradient_matrices(model, loss, x, y,
-                                                  groups=groups)
+    matrices = basis_refresh.public_gradient_matrices(model, loss, x, y,
+                                                      groups=groups)
     assert [m.shape for m in matrices] == [(7, 36), (7, 21)]
     np.testing.assert_allclose(matrices[1][:, :18], grads[2].reshape(7, -1),
                                atol=1e-6)
@@ -438,9 +440,9 @@ def test_basis_refresh_callback_refreshes_every_k_steps():
 
     per_example_loss = tf.keras.losses.SparseCategoricalCrossentropy(
         from_logits=True)
-    callback = basis_lib.BasisRefresh(
+    callback = basis_refresh.BasisRefresh(
         model, public, per_example_loss, every_steps=2, on_refresh=record,
-        ranks=[2, 3], groups=basis_lib.groups_by_layer(model))
+        ranks=[2, 3], groups=learning.groups_by_layer(model))
     model.fit(x[12:], y[12:], batch_size=4, epochs=1, verbose=0,
               callbacks=[callback])  # 7 steps: refresh before 0, 2, 4, 6
     assert callback.refresh_count == 4 and len(seen) == 4
@@ -451,10 +453,10 @@ def test_basis_refresh_callback_refreshes_every_k_steps():
     assert not np.allclose(seen[0][1][0], seen[2][1][0])
     for basis, weights in (seen[0], seen[2]):
         model.set_weights(weights)
-        again = basis_lib.learn_basis(
-            basis_lib.public_per_example_gradients(
+        again = learning.learn_basis(
+            basis_refresh.public_per_example_gradients(
                 model, per_example_loss, *public), [2, 3],
-            groups=basis_lib.groups_by_layer(model),
+            groups=learning.groups_by_layer(model),
             seed=basis.metadata['seed'])
         for a, b in zip(again.group_matrices, basis.group_matrices):
             np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)

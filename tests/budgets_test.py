@@ -9,7 +9,7 @@ import pytest
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.hybrid import budgets
-from tf_twice.mechanism import basis as basis_lib
+from tf_twice.hybrid import learning
 
 D = 60
 
@@ -25,7 +25,7 @@ def _public(n=80, seed=0):
 @pytest.fixture(scope='module')
 def basis_and_public():
     public = _public()
-    return basis_lib.learn_basis(public, [3, 5], seed=1), public
+    return learning.learn_basis(public, [3, 5], seed=1), public
 
 
 def _one_block(**block):

@@ -17,7 +17,7 @@ from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import default_physical_batch_size
 from tf_twice.keras import guards
-from tf_twice.mechanism import aggregation as agg
+from tf_twice.mechanism import randomness
 
 NUM_FEATURES, NUM_CLASSES = tiny_models.NUM_FEATURES, tiny_models.NUM_CLASSES
 
@@ -137,8 +137,9 @@ def test_whole_step_matches_numpy_reference():
     w0, b0 = _weights(dp)
     key = _next_key(dp)
     shapes = [w0.shape, b0.shape]
-    masks = [m.numpy() for m in agg.coordinate_masks(key, shapes, 0.5, 7)]
-    noise = [e.numpy() for e in agg.standard_normal_noise(
+    masks = [m.numpy() for m in randomness.coordinate_masks(
+        key, shapes, 0.5, 7)]
+    noise = [e.numpy() for e in randomness.standard_normal_noise(
         key, shapes, [tf.float32] * 2)]
     tiny_models.one_step(dp, x, y, sample_weight=weights)
     want = _numpy_step(w0, b0, x, y, weights, masks, noise, 0.6, 0.15, 1.0,
@@ -161,7 +162,7 @@ def test_empty_logical_batch_is_a_pure_noise_step():
     dp = _private(_mlp())
     initial = _weights(dp)
     key = _next_key(dp)
-    noise = agg.standard_normal_noise(
+    noise = randomness.standard_normal_noise(
         key, [w.shape for w in initial], [tf.float32] * len(initial))
     empty = (np.zeros((0, NUM_FEATURES), np.float32), np.zeros((0,), np.int64))
     logs = tiny_models.one_step(dp, *empty)

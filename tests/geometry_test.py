@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from tf_twice.mechanism import basis as basis_lib
-from tf_twice.mechanism import geometry
+from tf_twice.hybrid import diagnostics
+from tf_twice.hybrid import learning
 
 SHAPES = [(4, 5), (30,), (10, 10), (5, 14)]  # d = 220
 GROUPS = [[0, 2], [1, 3]]
@@ -34,8 +34,8 @@ def _per_variable(flat):
 
 @pytest.fixture(scope='module')
 def basis():
-    return basis_lib.learn_basis(_per_variable(_flat(50, seed=0)), [2, 4, 3],
-                                 groups=GROUPS, seed=1)
+    return learning.learn_basis(_per_variable(_flat(50, seed=0)), [2, 4, 3],
+                                groups=GROUPS, seed=1)
 
 
 def _dense_blocks(basis):
@@ -60,8 +60,8 @@ def _dense_blocks(basis):
 def test_matches_direct_numpy(basis):
     flat = _flat(30, seed=2)
     top_s = (0, 5, 50, D)
-    got = geometry.gradient_geometry(_per_variable(flat), basis, top_s=top_s,
-                                     chunk_size=7)
+    got = diagnostics.gradient_geometry(_per_variable(flat), basis,
+                                        top_s=top_s, chunk_size=7)
     x = flat.astype(np.float64)
     np.testing.assert_allclose(got.l2_norm, np.linalg.norm(x, axis=1),
                                rtol=1e-12)
@@ -92,7 +92,7 @@ def test_matches_direct_numpy(basis):
         got.coordinate_cv, np.abs(x.std(axis=0) / x.mean(axis=0)),
         rtol=1e-9)
     # A matrix in natural variable order gives the same numbers.
-    again = geometry.gradient_geometry(flat, basis, top_s=top_s)
+    again = diagnostics.gradient_geometry(flat, basis, top_s=top_s)
     np.testing.assert_allclose(again.block_norms, got.block_norms,
                                rtol=1e-6)
     # Residuals shrink block by block.
@@ -101,11 +101,11 @@ def test_matches_direct_numpy(basis):
 
 def test_sparsification_by_public_significance():
     public, private = _flat(40, seed=3), _flat(10, seed=4)
-    score = geometry.coordinate_significance(_per_variable(public))
+    score = diagnostics.coordinate_significance(_per_variable(public))
     np.testing.assert_allclose(score, np.abs(public).mean(axis=0),
                                rtol=1e-6)
-    got = geometry.gradient_geometry(private, top_s=(3, 100),
-                                     significance=score)
+    got = diagnostics.gradient_geometry(private, top_s=(3, 100),
+                                        significance=score)
     order = np.argsort(-score, kind='stable')
     for c, s in enumerate((3, 100)):
         kept = private.astype(np.float64).copy()
@@ -113,18 +113,19 @@ def test_sparsification_by_public_significance():
         np.testing.assert_allclose(got.sparsified_residual_norm[:, c],
                                    np.linalg.norm(kept, axis=1), rtol=1e-9)
     # The example's own top coordinates are the best s-sparse choice.
-    own = geometry.gradient_geometry(private, top_s=(3, 100))
+    own = diagnostics.gradient_geometry(private, top_s=(3, 100))
     assert np.all(own.sparsified_residual_norm
                   <= got.sparsified_residual_norm + 1e-12)
 
 
 def test_clip_norm_scales_examples_first(basis):
     flat = 3 * _flat(12, seed=5)
-    got = geometry.gradient_geometry(flat, basis, clip_norm=0.5, top_s=(10,))
+    got = diagnostics.gradient_geometry(flat, basis, clip_norm=0.5,
+                                        top_s=(10,))
     norms = np.linalg.norm(flat.astype(np.float64), axis=1, keepdims=True)
     clipped = flat * np.minimum(1.0, 0.5 / norms)
-    expected = geometry.gradient_geometry(clipped.astype(np.float32), basis,
-                                          top_s=(10,))
+    expected = diagnostics.gradient_geometry(clipped.astype(np.float32), basis,
+                                             top_s=(10,))
     assert np.all(got.l2_norm <= 0.5 + 1e-6)
     for name in ('l2_norm', 'linf_norm', 'sparsified_residual_norm',
                  'block_norms', 'residual_norm'):
@@ -133,7 +134,7 @@ def test_clip_norm_scales_examples_first(basis):
 
 
 def test_summary_quantiles(basis):
-    got = geometry.gradient_geometry(_flat(25, seed=6), basis, top_s=(4, 9))
+    got = diagnostics.gradient_geometry(_flat(25, seed=6), basis, top_s=(4, 9))
     summary = got.summary(quantiles=(0.1, 0.5, 0.9))
     l2 = summary['l2_norm']
     assert math.isclose(l2['mean'], np.mean(got.l2_norm))
@@ -151,7 +152,7 @@ def test_summary_quantiles(basis):
 def test_without_basis_and_constant_coordinates():
     flat = _flat(8, seed=7)
     flat[:, 0] = 0.0  # a coordinate no example touches
-    got = geometry.gradient_geometry(flat)
+    got = diagnostics.gradient_geometry(flat)
     assert got.block_norms is None and got.residual_norm is None
     assert got.coordinate_cv[0] == 0.0
     assert 'block_norms' not in got.summary()
@@ -165,13 +166,13 @@ def test_without_basis_and_constant_coordinates():
 ])
 def test_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        geometry.gradient_geometry(_flat(4, seed=8), **kwargs)
+        diagnostics.gradient_geometry(_flat(4, seed=8), **kwargs)
 
 
 def test_refuses_mismatched_or_non_finite_gradients(basis):
     with pytest.raises(ValueError, match='d = 220'):
-        geometry.gradient_geometry(np.ones((3, 219), np.float32), basis)
+        diagnostics.gradient_geometry(np.ones((3, 219), np.float32), basis)
     bad = _flat(3, seed=9)
     bad[1, 2] = np.nan
     with pytest.raises(ValueError, match='finite'):
-        geometry.gradient_geometry(bad)
+        diagnostics.gradient_geometry(bad)

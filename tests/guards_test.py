@@ -15,7 +15,7 @@ from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import guards
-from tf_twice.mechanism import basis as basis_lib
+from tf_twice.hybrid import learning
 
 
 def _dense(name='plain'):
@@ -388,7 +388,7 @@ def _basis():
     rng = np.random.default_rng(0)
     grads = [rng.standard_normal((16,) + tuple(v.shape)).astype(np.float32)
              for v in _dense().trainable_variables]
-    return basis_lib.learn_basis(grads, [7])
+    return learning.learn_basis(grads, [7])
 
 
 def _blocks_event(**changes):

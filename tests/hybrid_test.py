@@ -18,9 +18,12 @@ from tf_twice.accounting import calibrate_noise_multiplier
 from tf_twice.accounting.statement import hybrid_noise_variance_ratio
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.hybrid import budgets
+from tf_twice.hybrid import learning
 from tf_twice.keras import DPModel, PrivacyLedger
+from tf_twice.keras import basis_refresh
 from tf_twice.keras import guards
 from tf_twice.mechanism import aggregation as agg
+from tf_twice.mechanism import randomness
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
 
@@ -56,9 +59,9 @@ GROUPS = 2
 
 def _basis(seed=0, public_seed=1):
     """A basis of the MLP's gradients learned from public examples."""
-    grads = basis_lib.public_per_example_gradients(
+    grads = basis_refresh.public_per_example_gradients(
         _mlp(), _loss(), *_data(32, seed=public_seed))
-    return basis_lib.learn_basis(grads, RANKS, groups=GROUPS, seed=seed)
+    return learning.learn_basis(grads, RANKS, groups=GROUPS, seed=seed)
 
 
 NUM_EXAMPLES, DELTA = 24, 1e-5  # q1 = 6 / 24
@@ -197,7 +200,7 @@ def test_without_a_basis_the_step_is_the_single_block_step():
         num_examples=NUM_EXAMPLES, l2_norm_clip=0.6, linf_norm_clip=0.15,
         noise_multiplier=1.0, coordinate_sampling_rate=0.5,
         expected_batch_size=6.0)
-    key = agg.draw_step_key(tf.random.Generator.from_seed(2))
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(2))
     sums = hybrid.block_sums(grads, params, key=key, example_offset=3)
     update = hybrid.noisy_update(sums, params, key=key)
     want = agg.add_noise_and_normalize(
@@ -230,7 +233,7 @@ def test_noise_of_every_block_has_its_own_std_and_is_independent():
 
     @tf.function
     def released():
-        key = agg.draw_step_key(gen)
+        key = randomness.draw_step_key(gen)
         sums = hybrid.block_sums(zeros, params, basis=basis, key=key)
         return agg.add_block_noise_and_normalize(
             sums, l2_norm_clips=params.l2_norm_clips,
@@ -264,7 +267,7 @@ def test_composed_update_has_the_hybrid_noise_covariance():
 
     @tf.function
     def update():
-        key = agg.draw_step_key(gen)
+        key = randomness.draw_step_key(gen)
         return hybrid.noisy_update(
             hybrid.block_sums(zeros, params, basis=basis, key=key), params,
             basis=basis, key=key)[0]
@@ -367,13 +370,13 @@ def test_basis_refresh_callback_drives_set_basis_in_fit():
     public = _data(32, seed=1)
     inner = _mlp()
     learn = dict(ranks=RANKS, groups=GROUPS)
-    basis = basis_lib.learn_basis(basis_lib.public_per_example_gradients(
+    basis = learning.learn_basis(basis_refresh.public_per_example_gradients(
         inner, _loss(), *public), **learn)
     dp = CountingDPModel(inner, HYBRID, basis=basis, physical_batch_size=4,
                          seed=SEED)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
-    refresh = basis_lib.BasisRefresh(inner, public, _loss(), every_steps=2,
-                                     on_refresh=dp.set_basis, **learn)
+    refresh = basis_refresh.BasisRefresh(inner, public, _loss(), every_steps=2,
+                                         on_refresh=dp.set_basis, **learn)
     dp.fit(_poisson(steps=5), callbacks=[refresh], verbose=0)
     assert refresh.refresh_count == 3  # before steps 0, 2 and 4
     assert dp.basis is refresh.basis
@@ -382,10 +385,10 @@ def test_basis_refresh_callback_drives_set_basis_in_fit():
 
 def test_set_basis_refuses_another_structure_or_no_basis():
     dp = _fast(_basis())
-    grads = basis_lib.public_per_example_gradients(_mlp(), _loss(),
-                                                   *_data(32))
+    grads = basis_refresh.public_per_example_gradients(_mlp(), _loss(),
+                                                       *_data(32))
     with pytest.raises(ValueError, match='same structure|structure of'):
-        dp.set_basis(basis_lib.learn_basis(grads, [4, 4], groups=GROUPS))
+        dp.set_basis(learning.learn_basis(grads, [4, 4], groups=GROUPS))
     plain = DPModel(_mlp(), SINGLE, physical_batch_size=4)
     with pytest.raises(ValueError, match='built with basis'):
         plain.set_basis(_basis())
@@ -539,7 +542,7 @@ def test_public_basis_needs_less_noise_than_dp_sgd_at_equal_epsilon():
             np.float32)
 
     public, private = gradients(200), gradients(500)
-    basis = basis_lib.learn_basis(public, [rank])
+    basis = learning.learn_basis(public, [rank])
     budget = dict(target_epsilon=2.0, delta=1e-5, steps=1000,
                   example_sampling_rate=0.01, coordinate_sampling_rate=1.0)
     planned = budgets.plan_blocks(

@@ -677,10 +677,11 @@ def test_batch_norm_model_is_refused_before_any_step(tmp_path):
 
 
 def test_for_model_with_a_basis_accounts_every_block(tmp_path):
-    from tf_twice.mechanism import basis as basis_lib
-    grads = basis_lib.public_per_example_gradients(
+    from tf_twice.hybrid import learning
+    from tf_twice.keras import basis_refresh
+    grads = basis_refresh.public_per_example_gradients(
         _model(), tf.keras.losses.MeanSquaredError(), X[:16], Y[:16])
-    basis = basis_lib.learn_basis(grads, [2, 3])
+    basis = learning.learn_basis(grads, [2, 3])
     config = TwiceSamplingConfig(
         num_examples=64, expected_batch_size=16.0,
         coordinate_sampling_rate=0.5,

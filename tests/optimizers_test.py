@@ -16,7 +16,7 @@ from tests import tiny_models
 from tf_twice import optimizers
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel
-from tf_twice.mechanism import aggregation as agg
+from tf_twice.mechanism import randomness
 
 NUM_FEATURES, NUM_CLASSES = tiny_models.NUM_FEATURES, tiny_models.NUM_CLASSES
 BATCH = 6
@@ -55,7 +55,7 @@ def _private(model, optimizer, physical_batch_size=4):
     return private
 
 
-_FIXED_KEY = agg.draw_step_key(tf.random.Generator.from_state(
+_FIXED_KEY = randomness.draw_step_key(tf.random.Generator.from_state(
     tiny_models.FIXED_KEY_STATE['state'],
     tiny_models.FIXED_KEY_STATE['algorithm']))
 
@@ -131,8 +131,9 @@ def test_whole_step_matches_numpy_reference():
         seed=42, learning_rate=lr)
     key = _FIXED_KEY
     shapes = [w0.shape, b0.shape]
-    masks = [m.numpy() for m in agg.coordinate_masks(key, shapes, q2, BATCH)]
-    noise = [e.numpy() for e in agg.standard_normal_noise(
+    masks = [m.numpy() for m in randomness.coordinate_masks(
+        key, shapes, q2, BATCH)]
+    noise = [e.numpy() for e in randomness.standard_normal_noise(
         key, shapes, [tf.float32] * 2)]
     w1, b1 = _one_step(model, opt, x, y, fix_key=True)
     w_ref, b_ref = numpy_step(w0, b0, x, y, np.ones(BATCH), masks, noise, c2,
@@ -296,14 +297,14 @@ def test_apply_without_dp_gradients_is_refused():
 def test_optimizer_with_a_basis_runs_the_hybrid_step():
     # Softmax regression: the optimizer's update equals the shared hybrid
     # step on the same per-example gradients and key.
-    from tf_twice.mechanism import basis as basis_lib
+    from tf_twice.hybrid import learning
     from tf_twice.mechanism import hybrid
     model = _linear()
     x, y = _data()
     w, b = [v.numpy() for v in model.trainable_variables]
     grads = _softmax_per_example_grads(w, b, x, y)
-    basis = basis_lib.learn_basis([g.astype(np.float32) for g in grads],
-                                  [2], groups=2)
+    basis = learning.learn_basis([g.astype(np.float32) for g in grads],
+                                 [2], groups=2)
     config = TwiceSamplingConfig(
         num_examples=100, expected_batch_size=BATCH,
         coordinate_sampling_rate=0.5,

@@ -10,9 +10,10 @@ from tests import tiny_models
 
 from tf_twice import sampling
 from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.hybrid import learning
 from tf_twice.keras import DPModel, PrivacyLedger, make_private
+from tf_twice.keras import basis_refresh
 from tf_twice.keras import guards
-from tf_twice.mechanism import basis as basis_lib
 
 N, BATCH = 64, 16  # q1 = 1/4: 4 steps per epoch.
 DELTA = 1e-5
@@ -116,9 +117,9 @@ def test_inconsistent_settings_are_refused(config, kwargs, match):
 
 
 def test_hybrid_config_gets_the_basis_dimensions():
-    grads = basis_lib.public_per_example_gradients(
+    grads = basis_refresh.public_per_example_gradients(
         tiny_models.mlp(), _loss(), *tiny_models.data(32, seed=1))
-    basis = basis_lib.learn_basis(grads, [3, 5], groups=2)
+    basis = learning.learn_basis(grads, [3, 5], groups=2)
     config = TwiceSamplingConfig(
         num_examples=N, expected_batch_size=BATCH,
         coordinate_sampling_rate=0.5,

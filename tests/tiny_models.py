@@ -89,8 +89,8 @@ FIXED_KEY_STATE = {'format': 'tf_twice.SecretRandomState', 'version': 1,
 
 def fix_next_step_key(dp_model):
     """Sets the model's step keys to a fixed state; returns the next key."""
-    from tf_twice.mechanism import aggregation  # pylint: disable=import-outside-toplevel
+    from tf_twice.mechanism import randomness  # pylint: disable=import-outside-toplevel
     dp_model.aggregator.keys.set_state(FIXED_KEY_STATE)
     twin = tf.random.Generator.from_state(FIXED_KEY_STATE['state'],
                                           FIXED_KEY_STATE['algorithm'])
-    return aggregation.draw_step_key(twin)
+    return randomness.draw_step_key(twin)

@@ -19,9 +19,10 @@ import tensorflow as tf
 
 import tf_twice
 from tf_twice import accounting
+from tf_twice import hybrid
 from tf_twice import sampling
 from tf_twice.hybrid import budgets as hybrid_budgets
-from tf_twice.mechanism import basis as basis_lib
+from tf_twice.keras import basis_refresh
 
 from examples.training import data as data_lib
 from examples.training import modeling
@@ -194,12 +195,12 @@ def hybrid_blocks_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
 def learn_public_basis(config: TrainConfig, plan: Plan, data: data_lib.Data,
                        inner: tf.keras.Model, seed: int):
     """(basis, public gradients) at the model's current weights."""
-    grads = basis_lib.public_per_example_gradients(
+    grads = basis_refresh.public_per_example_gradients(
         inner, modeling.per_example_loss(),
         data_lib.to_unit_float(data.x_public), data.y_public,
         batch_size=config.physical_batch_size)
-    basis = basis_lib.learn_basis(grads, seed=seed,
-                                  **basis_kwargs(config, plan))
+    basis = hybrid.learn_basis(grads, seed=seed,
+                               **basis_kwargs(config, plan))
     return basis, grads
 
 

@@ -21,8 +21,8 @@ import tensorflow as tf
 
 from tf_twice import sampling
 from tf_twice.keras import DPModel
+from tf_twice.keras import BasisRefresh
 from tf_twice.keras import PrivacyLedger
-from tf_twice.mechanism import basis as basis_lib
 
 from examples.training import modeling
 from examples.training import plan as plan_lib
@@ -209,7 +209,7 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
 
     basis_refresh = None
     if basis is not None and config.basis_refresh_steps:
-        basis_refresh = basis_lib.BasisRefresh(
+        basis_refresh = BasisRefresh(
             inner, (to_unit_float(data.x_public), data.y_public),
             modeling.per_example_loss(), config.basis_refresh_steps,
             on_refresh=model.set_basis,

@@ -1,10 +1,12 @@
-"""Hybrid clipping set-up from PUBLIC data: per-block budgets and noise.
+"""Hybrid clipping set-up, host side: the basis and the budgets.
 
-``budgets.plan_blocks`` turns a one-block ``TwiceSamplingConfig`` and a
-``HybridBasis`` into the per-block config that DPModel runs (clips from public
-projection norms, l-infinity clips, per-block noise optimised for a budget).
-The basis itself is learned by ``tf_twice.mechanism.basis.learn_basis``; the
-training step that uses both is ``tf_twice.mechanism.hybrid``.
+``learning.learn_basis`` learns a ``HybridBasis`` from PUBLIC per-example
+gradients; ``budgets.plan_blocks`` turns a one-block ``TwiceSamplingConfig``
+and that basis into the per-block config that training runs (clips from
+public projection norms, l-infinity clips, per-block noise optimised for a
+budget); ``diagnostics.gradient_geometry`` measures the per-example geometry
+that hybrid clipping exploits. The training step that uses basis and config
+is ``tf_twice.mechanism.hybrid``.
 """
 
 from tf_twice.hybrid.budgets import hybrid_noise_multipliers
@@ -12,3 +14,12 @@ from tf_twice.hybrid.budgets import linf_clips_from_d0
 from tf_twice.hybrid.budgets import plan_blocks
 from tf_twice.hybrid.budgets import public_block_norms
 from tf_twice.hybrid.budgets import split_l2_budget
+from tf_twice.hybrid.diagnostics import GradientGeometry
+from tf_twice.hybrid.diagnostics import coordinate_significance
+from tf_twice.hybrid.diagnostics import gradient_geometry
+from tf_twice.hybrid.learning import DEFAULT_POWER_ITERATIONS
+from tf_twice.hybrid.learning import group_matrices
+from tf_twice.hybrid.learning import groups_by_layer
+from tf_twice.hybrid.learning import learn_basis
+from tf_twice.hybrid.learning import partition_variables
+from tf_twice.hybrid.learning import split_group_ranks

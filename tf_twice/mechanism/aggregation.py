@@ -24,14 +24,10 @@ is the (q1, q2)-twice-sampled Gaussian mechanism of the paper (Theorems
 "Privacy Amplification of Coordinate-Wise Sampling" and "Privacy Amplification
 from Twice Sampling"); step 6 is post-processing.
 
-Randomness. A logical step draws one Philox key from a ``tf.random.Generator``
-(``draw_step_key``); masks and noise are stateless functions of that key. The
-mask of an example depends only on the key, the block and tensor index and
-the example's position in the logical batch, so the same key gives the same
-masks however the batch is split into physical microbatches, and the
-optimizer path and the model path give identical updates from identical
-generator states.
-Tests may instead pass explicit ``masks`` and ``noise``.
+Randomness: masks and noise come from the step key and the Philox stream
+layout of ``tf_twice.mechanism.randomness``, so they do not depend on how a
+logical batch is split into microbatches. Tests may instead pass explicit
+``masks`` and ``noise``.
 
 Hybrid clipping. ``clipped_masked_block_sums`` and
 ``add_block_noise_and_normalize`` run the same steps on m blocks, each a list
@@ -41,21 +37,18 @@ with N(0, (z_j c2_j)^2). One example then changes the released blocks by
 vectors s_j with ||s_j||_2 <= c2_j and ||s_j||_inf <= c_inf_j, each coordinate
 kept with probability q2: the multi-block twice-sampled Gaussian mechanism
 accounted by ``TwiceSampledGaussianDpEvent`` with per-block tuples.
-``clipped_masked_sum`` and ``add_noise_and_normalize`` are the one-block case.
+``clipped_masked_sum`` and ``add_noise_and_normalize`` are the one-block case;
+with one block the numbers are exactly those of the block functions for the
+same key (block 0 uses the single-block streams).
 
-Random streams. Philox is a pseudorandom function of (key, 128-bit counter);
-the high 64 bits of the counter name a stream and the low 64 bits run within
-it, so distinct streams under one key are independent. Tensor v of block j
-takes its masks from stream j * 2**40 + v and its noise from stream
-j * 2**40 + 2**32 + v. Every (block, tensor, masks-or-noise) triple therefore
-has a stream of its own under the one step key, and block 0 uses exactly the
-streams of the single-block layout: with one block the numbers are those of
-``clipped_masked_sum`` for the same key.
+Validation. These functions are public and take raw numbers, so they check
+their arguments (``validate_params``, per block) although the training paths
+pass a ``TwiceSamplingConfig`` that is already validated: the checks are
+host-side Python, run when a step is traced, not in the step's graph.
 """
 
 import math
-import numbers
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -64,33 +57,17 @@ from tf_twice import config as config_lib
 # The q2 arithmetic and the block limit belong to the TF-free config; the
 # kernel uses the same definitions.
 from tf_twice.config import effective_coordinate_sampling_rate
-from tf_twice.config import mask_bits_per_coordinate
-from tf_twice.config import MASK_PRECISION_BITS
 from tf_twice.config import MAX_BLOCKS
+from tf_twice.mechanism import randomness
+from tf_twice.mechanism.randomness import TensorLike
 
 __all__ = [
-    'MASK_PRECISION_BITS',
-    'MAX_BLOCKS',
     'add_block_noise_and_normalize',
     'add_noise_and_normalize',
     'clipped_masked_block_sums',
     'clipped_masked_sum',
-    'coordinate_masks',
-    'draw_step_key',
-    'effective_coordinate_sampling_rate',
-    'mask_bits_per_coordinate',
-    'standard_normal_noise',
     'validate_params',
 ]
-
-_PHILOX_ALG = 1  # tf.random.Algorithm.PHILOX
-# The high 64 bits of the Philox counter select a stream: masks of tensor v of
-# block j use stream j * _BLOCK_STREAMS + v, its noise stream
-# j * _BLOCK_STREAMS + _NOISE_STREAM + v (block 0: the single-block layout).
-_NOISE_STREAM = 2**32
-_BLOCK_STREAMS = 2**40
-
-TensorLike = Union[tf.Tensor, int, float]
 
 
 def validate_params(
@@ -120,139 +97,8 @@ def validate_params(
         _validate.positive('expected_batch_size', expected_batch_size)
 
 
-def draw_step_key(generator: tf.random.Generator) -> tf.Tensor:
-    """Draws the Philox key of one logical step (uint64, shape [1])."""
-    return generator.uniform_full_int([1], dtype=tf.uint64)
-
-
-def _counter(low: tf.Tensor, stream: int) -> tf.Tensor:
-    # Philox increments the low 64 bits; the high 64 bits name the stream.
-    low = tf.cast(low, tf.int64)
-    return tf.bitcast(tf.stack([low, tf.constant(stream, tf.int64)]),
-                      tf.uint64)
-
-
 def _num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(int(s) for s in shape))
-
-
-def _mask_stream(block: int, v: int) -> int:
-    return block * _BLOCK_STREAMS + v
-
-
-def _noise_stream(block: int, v: int) -> int:
-    return block * _BLOCK_STREAMS + _NOISE_STREAM + v
-
-
-def _check_block_index(block, num_tensors: int) -> int:
-    if (isinstance(block, bool) or not isinstance(block, numbers.Integral)
-            or not 0 <= block < MAX_BLOCKS):
-        raise ValueError(
-            f'block must be an integer in [0, {MAX_BLOCKS}), got {block!r}.')
-    if num_tensors >= _NOISE_STREAM:
-        raise ValueError(
-            f'a block may hold at most {_NOISE_STREAM - 1} tensors, got '
-            f'{num_tensors}.')
-    return int(block)
-
-
-def _row_masks(key, stream, rows, offset, d, q2):
-    """[rows, d] masks of one tensor for examples offset..offset+rows-1.
-
-    ``stream`` is the tensor's mask stream (``_mask_stream``). Each row takes
-    a whole number of 128-bit Philox blocks, starting at the block index of
-    its global position, so the entries of an example do not depend on which
-    rows are generated together.
-    """
-    bits = mask_bits_per_coordinate(q2)
-    threshold = int(effective_coordinate_sampling_rate(q2)
-                    * 2**bits)
-    per_block = 128 // bits
-    blocks = -(-d // per_block)
-    words = tf.raw_ops.StatelessRandomUniformFullIntV2(
-        shape=tf.stack([rows, blocks * 4]),
-        key=key,
-        counter=_counter(tf.cast(offset, tf.int64) * blocks, stream),
-        alg=_PHILOX_ALG,
-        dtype=tf.uint32)
-    if bits == 16:
-        draws = tf.bitcast(words, tf.uint16)
-        limit = tf.constant(threshold, tf.uint16)
-    else:
-        draws = tf.bitcast(words, tf.uint8)  # [rows, 4 * blocks, 4]
-        if bits < 8:
-            shifts = tf.constant(list(range(0, 8, bits)), tf.uint8)
-            draws = tf.bitwise.bitwise_and(
-                tf.bitwise.right_shift(draws[..., None], shifts),
-                tf.constant(2**bits - 1, tf.uint8))
-        limit = tf.constant(threshold, tf.uint8)
-    draws = tf.reshape(draws, [-1, blocks * per_block])
-    if blocks * per_block != d:
-        draws = draws[:, :d]
-    return tf.less(draws, limit)
-
-
-def coordinate_masks(
-    key: tf.Tensor,
-    shapes: Sequence[Sequence[int]],
-    coordinate_sampling_rate: float,
-    batch_size: TensorLike,
-    example_offset: TensorLike = 0,
-    *,
-    block: int = 0,
-) -> List[tf.Tensor]:
-    """Boolean Bernoulli masks of shape [batch_size, *shape], one per shape.
-
-    Each entry is True independently with probability
-    ``effective_coordinate_sampling_rate(q2)``: a uniform draw of
-    ``mask_bits_per_coordinate(q2)`` bits is compared with the rate times
-    2**bits. Row i of the masks for tensor v of block ``block`` is a function
-    of (key, block, v, example_offset + i) only, so masks do not depend on
-    how a logical batch is split into microbatches, and different blocks
-    (or tensors) draw from disjoint Philox streams.
-    """
-    validate_params(coordinate_sampling_rate=coordinate_sampling_rate)
-    block = _check_block_index(block, len(shapes))
-    batch_size = tf.cast(batch_size, tf.int32)
-    if coordinate_sampling_rate >= 1:
-        return [tf.ones(tf.concat([[batch_size], shape], 0), tf.bool)
-                for shape in shapes]
-    masks = []
-    for v, shape in enumerate(shapes):
-        shape = [int(s) for s in shape]
-        d = _num_elements(shape)
-        if d == 0:
-            masks.append(tf.zeros(tf.concat([[batch_size], shape], 0),
-                                  tf.bool))
-            continue
-        mask = _row_masks(key, _mask_stream(block, v), batch_size,
-                          example_offset, d, coordinate_sampling_rate)
-        masks.append(tf.reshape(mask, [-1] + shape))
-    return masks
-
-
-def standard_normal_noise(
-    key: tf.Tensor,
-    shapes: Sequence[Sequence[int]],
-    dtypes: Sequence[tf.DType],
-    *,
-    block: int = 0,
-) -> List[tf.Tensor]:
-    """Independent N(0, 1) tensors of the given shapes, one stream each.
-
-    Tensor v of block ``block`` uses its own Philox stream, distinct from
-    every other tensor's and block's noise and masks under the same key.
-    """
-    block = _check_block_index(block, len(shapes))
-    return [
-        tf.raw_ops.StatelessRandomNormalV2(
-            shape=[int(s) for s in shape],
-            key=key,
-            counter=_counter(0, _noise_stream(block, v)),
-            alg=_PHILOX_ALG,
-            dtype=dtype)
-        for v, (shape, dtype) in enumerate(zip(shapes, dtypes))
-    ]
 
 
 def _check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
@@ -329,8 +175,8 @@ def _clip_and_mask(
         c_inf = tf.constant(linf_norm_clip, flat.dtype)
         flat = tf.clip_by_value(flat * scale[:, None], -c_inf, c_inf)
     if mask is None and coordinate_sampling_rate < 1:
-        mask = _row_masks(key, stream, tf.shape(flat)[0], offset,
-                          flat.shape[1], coordinate_sampling_rate)
+        mask = randomness.row_masks(key, stream, tf.shape(flat)[0], offset,
+                                    flat.shape[1], coordinate_sampling_rate)
     if mask is not None:
         flat = tf.where(mask, flat, tf.zeros_like(flat))
     return flat
@@ -355,8 +201,8 @@ def _sum_block(
 ) -> List[tf.Tensor]:
     """sum_i w_i * mask_i * clip_inf(scale_i * g_i) for each tensor of a block.
 
-    Tensor k of block ``block`` draws its masks from ``_mask_stream(block,
-    k)``.
+    Tensor k of block ``block`` draws its masks from
+    ``randomness.mask_stream(block, k)``.
     """
     offset = tf.cast(example_offset, tf.int64)
     elementwise = _clip_and_mask_fused if jit_compile else _clip_and_mask
@@ -375,7 +221,7 @@ def _sum_block(
         if linf_norm_clip is not None or coordinate_sampling_rate < 1 or (
                 mask is not None):
             flat = elementwise(flat, scale, mask, key, offset,
-                               _mask_stream(block, k),
+                               randomness.mask_stream(block, k),
                                coordinate_sampling_rate, linf_norm_clip)
         if coef is None:
             total = tf.reduce_sum(flat, axis=0)
@@ -424,7 +270,7 @@ def _check_blocks(blocks) -> List[List[tf.Tensor]]:
         tensors = [tf.convert_to_tensor(g) for g in block]
         if not tensors:
             raise ValueError(f'blocks[{j}] must contain at least one tensor.')
-        _check_block_index(j, len(tensors))
+        randomness.check_block_index(j, len(tensors))
         for g in tensors:
             if g.shape.rank is None or g.shape.rank < 1 or (
                     not g.shape[1:].is_fully_defined()):
@@ -643,7 +489,7 @@ def add_block_noise_and_normalize(
                     raise ValueError(
                         'key (from draw_step_key) or noise is required when '
                         f'noise_multiplier > 0, got {zs[j]}.')
-                block_noise = standard_normal_noise(
+                block_noise = randomness.standard_normal_noise(
                     key, [s.shape for s in sums], [s.dtype for s in sums],
                     block=j)
             elif len(block_noise) != len(sums):

@@ -50,9 +50,9 @@ import tensorflow as tf
 
 from tf_twice import _files as files
 from tf_twice import config as config_lib
-from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
+from tf_twice.mechanism import randomness
 
 __all__ = ['PrivateAggregator', 'StepKeys', 'RANDOM_STATE_FORMAT',
            'state_fingerprint']
@@ -191,9 +191,9 @@ class StepKeys:
             with tf.control_dependencies([
                     self._generator.state.assign(state),
                     self._positioned.assign(True)]):
-                key = aggregation.draw_step_key(self._generator)
+                key = randomness.draw_step_key(self._generator)
         else:
-            key = aggregation.draw_step_key(self._generator)
+            key = randomness.draw_step_key(self._generator)
         with tf.control_dependencies([key]):
             self._draws.assign_add(1)
         return tf.identity(key)

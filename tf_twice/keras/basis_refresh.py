@@ -1,0 +1,201 @@
+"""Re-learning the hybrid basis during training, from PUBLIC data.
+
+``public_per_example_gradients`` computes per-example gradients of public
+examples at a Keras model's current weights (``tf.vectorized_map``, O(n));
+``public_gradient_matrices`` flattens them per parameter group; the
+``BasisRefresh`` callback runs both and ``tf_twice.hybrid.learn_basis`` every
+K steps and hands the new basis to the training path (``set_basis``).
+
+Privacy: only public data and the current model (itself a DP output) are
+read, so a refreshed basis is post-processing and costs no privacy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_twice import _keras
+from tf_twice._validate import integer as _check_int
+from tf_twice.hybrid.learning import group_matrices
+from tf_twice.hybrid.learning import learn_basis
+from tf_twice.mechanism.basis import HybridBasis
+
+__all__ = [
+    'BasisRefresh',
+    'public_gradient_matrices',
+    'public_per_example_gradients',
+]
+
+
+def _per_example_loss(loss) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+    if isinstance(loss, tf.keras.losses.Loss):
+        config = loss.get_config()
+        config['reduction'] = _keras.NO_REDUCTION
+        return type(loss).from_config(config)
+    if callable(loss):
+        return loss
+    raise ValueError(
+        'per_example_loss must be a callable (y_true, y_pred) -> per-example '
+        f'losses or a tf.keras.losses.Loss; got {loss!r}.')
+
+
+def public_per_example_gradients(
+        model: tf.keras.Model,
+        per_example_loss,
+        x,
+        y,
+        *,
+        batch_size: int = 256,
+        training: bool = True) -> List[np.ndarray]:
+    """Per-example gradients of PUBLIC examples at the current model.
+
+    Runs forward and backward passes per example under ``tf.vectorized_map``
+    (O(n), like the DP model's step) in chunks of ``batch_size``.
+
+    Args:
+      model: a built or buildable Keras model; gradients are taken w.r.t.
+        ``model.trainable_variables`` (their order is the variable order of
+        the basis). Per-example gradients need no BatchNorm (use
+        GroupNorm/LayerNorm).
+      per_example_loss: (y_true, y_pred) -> [B] losses, or a Keras ``Loss``
+        (its reduction is set to none). The model's regularisation losses are
+        added to every example, as in the DP step.
+      x, y: public inputs and labels (x may be a nest of arrays).
+      batch_size: examples per vectorised chunk, >= 1.
+      training: the ``training`` flag of the forward pass.
+
+    Returns:
+      One float32 array [n, *shape_v] per trainable variable.
+    """
+    batch_size = _check_int('batch_size', batch_size, 1)
+    loss_fn = _per_example_loss(per_example_loss)
+    x = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y = tf.convert_to_tensor(y)
+    n = int(y.shape[0])
+    if not model.built:
+        model(tf.nest.map_structure(lambda t: t[:1], x), training=False)
+    variables = model.trainable_variables
+    if not variables:
+        raise ValueError('model has no trainable variables.')
+
+    @tf.function
+    def chunk_gradients(xc, yc):
+        def one_example(args):
+            xi, yi = args
+            xi = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), xi)
+            with tf.GradientTape() as tape:
+                prediction = model(xi, training=training)
+                loss = tf.reduce_sum(loss_fn(tf.expand_dims(yi, 0),
+                                             prediction))
+                if model.losses:
+                    loss += tf.cast(tf.add_n(model.losses), loss.dtype)
+            grads = tape.gradient(
+                loss, variables,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return [tf.convert_to_tensor(g) for g in grads]
+
+        return tf.vectorized_map(one_example, (xc, yc))
+
+    chunks = [[] for _ in variables]
+    for start in range(0, n, batch_size):
+        grads = chunk_gradients(
+            tf.nest.map_structure(lambda t: t[start:start + batch_size], x),
+            y[start:start + batch_size])
+        for v, g in enumerate(grads):
+            chunks[v].append(g.numpy().astype(np.float32, copy=False))
+    return [np.concatenate(c, axis=0) for c in chunks]
+
+
+def public_gradient_matrices(
+        model: tf.keras.Model,
+        per_example_loss,
+        x,
+        y,
+        *,
+        groups: Optional[Sequence[Sequence[int]]] = None,
+        batch_size: int = 256,
+        training: bool = True) -> List[np.ndarray]:
+    """``public_per_example_gradients`` flattened per group: [n, d_g] each."""
+    return group_matrices(
+        public_per_example_gradients(model, per_example_loss, x, y,
+                                     batch_size=batch_size,
+                                     training=training), groups)
+
+
+# Refreshing the basis during training.
+
+
+class BasisRefresh(tf.keras.callbacks.Callback):
+    """Re-learns the basis from public data every ``every_steps`` steps.
+
+    Before step 0, K, 2K, ... (``on_train_batch_begin``) it computes the
+    per-example gradients of the PUBLIC examples at the current weights and
+    runs ``learn_basis``; the result is in ``self.basis`` and is passed to
+    ``on_refresh`` (e.g. to assign it to the variables the DP step reads).
+
+    Privacy: the refresh reads only public data and the current model, which
+    is itself the output of the DP training so far; the basis is therefore
+    post-processing and costs no privacy. Do not give it private examples.
+    Refresh k uses seed ``seed + k``, so a run is reproducible.
+
+    Args:
+      model: the model whose ``trainable_variables`` the basis covers (for a
+        wrapped DP model, the inner model).
+      public_data: (x, y) public examples.
+      per_example_loss: as in ``public_per_example_gradients``.
+      every_steps: K >= 1.
+      on_refresh: optional callable(basis) run after each refresh.
+      batch_size, training: as in ``public_per_example_gradients``.
+      **learn_kwargs: ``learn_basis`` arguments (ranks, groups, ...).
+    """
+
+    def __init__(self,
+                 model: tf.keras.Model,
+                 public_data: Tuple[Any, Any],
+                 per_example_loss,
+                 every_steps: int,
+                 *,
+                 on_refresh: Optional[Callable[[HybridBasis], None]] = None,
+                 batch_size: int = 256,
+                 training: bool = True,
+                 seed: int = 0,
+                 **learn_kwargs):
+        super().__init__()
+        self._every = _check_int('every_steps', every_steps, 1)
+        self._seed = _check_int('seed', seed, 0)
+        self._batch_size = _check_int('batch_size', batch_size, 1)
+        if 'seed' in learn_kwargs or 'public_gradients' in learn_kwargs:
+            raise ValueError('learn_kwargs must not set seed or '
+                             'public_gradients.')
+        x, y = public_data
+        self._basis_model = model
+        self._x, self._y = x, y
+        self._loss = per_example_loss
+        self._on_refresh = on_refresh
+        self._training = training
+        self._learn_kwargs = learn_kwargs
+        self._step = 0
+        self.refresh_count = 0
+        self.basis: Optional[HybridBasis] = None
+
+    def refresh(self) -> HybridBasis:
+        """Learns a basis now from the public data and current weights."""
+        grads = public_per_example_gradients(
+            self._basis_model, self._loss, self._x, self._y,
+            batch_size=self._batch_size, training=self._training)
+        self.basis = learn_basis(grads, seed=self._seed + self.refresh_count,
+                                 **self._learn_kwargs)
+        self.refresh_count += 1
+        if self._on_refresh is not None:
+            self._on_refresh(self.basis)
+        return self.basis
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._step % self._every == 0:
+            self.refresh()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1

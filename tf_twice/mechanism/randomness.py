@@ -1,0 +1,190 @@
+"""The randomness of a DP step: step keys, Philox streams, masks and noise.
+
+A logical step draws one Philox key from a ``tf.random.Generator``
+(``draw_step_key``); the coordinate masks and the Gaussian noise of the step
+are stateless functions of that key (``coordinate_masks``,
+``standard_normal_noise``). The mask of an example depends only on the key,
+the block and tensor index and the example's position in the logical batch,
+so the same key gives the same masks however the batch is split into physical
+microbatches or replicas, and every training path gives identical updates
+from identical generator states.
+
+Random streams. Philox is a pseudorandom function of (key, 128-bit counter);
+the high 64 bits of the counter name a stream and the low 64 bits run within
+it, so distinct streams under one key are independent. Tensor v of block j
+takes its masks from stream j * 2**40 + v (``mask_stream``) and its noise
+from stream j * 2**40 + 2**32 + v (``noise_stream``). Every (block, tensor,
+masks-or-noise) triple therefore has a stream of its own under the one step
+key, and block 0 uses exactly the streams of the single-block layout. This
+layout is fixed: changing it changes every mask and every noise draw.
+
+Mask entries. An entry is True with probability
+``effective_coordinate_sampling_rate(q2)``: a uniform integer of
+``mask_bits_per_coordinate(q2)`` bits compared with the rate times 2**bits
+(both from the TF-free ``tf_twice.config``, which the accountant also uses).
+"""
+
+import math
+import numbers
+from typing import List, Sequence, Union
+
+import tensorflow as tf
+
+from tf_twice import config as config_lib
+from tf_twice.config import effective_coordinate_sampling_rate
+from tf_twice.config import mask_bits_per_coordinate
+from tf_twice.config import MAX_BLOCKS
+
+__all__ = [
+    'check_block_index',
+    'coordinate_masks',
+    'draw_step_key',
+    'mask_stream',
+    'noise_stream',
+    'row_masks',
+    'standard_normal_noise',
+]
+
+_PHILOX_ALG = 1  # tf.random.Algorithm.PHILOX
+# The high 64 bits of the Philox counter select a stream: masks of tensor v of
+# block j use stream j * _BLOCK_STREAMS + v, its noise stream
+# j * _BLOCK_STREAMS + _NOISE_STREAM + v (block 0: the single-block layout).
+_NOISE_STREAM = 2**32
+_BLOCK_STREAMS = 2**40
+
+TensorLike = Union[tf.Tensor, int, float]
+
+
+def draw_step_key(generator: tf.random.Generator) -> tf.Tensor:
+    """Draws the Philox key of one logical step (uint64, shape [1])."""
+    return generator.uniform_full_int([1], dtype=tf.uint64)
+
+
+def _counter(low: tf.Tensor, stream: int) -> tf.Tensor:
+    # Philox increments the low 64 bits; the high 64 bits name the stream.
+    low = tf.cast(low, tf.int64)
+    return tf.bitcast(tf.stack([low, tf.constant(stream, tf.int64)]),
+                      tf.uint64)
+
+
+def mask_stream(block: int, v: int) -> int:
+    """The Philox stream of the masks of tensor v of block ``block``."""
+    return block * _BLOCK_STREAMS + v
+
+
+def noise_stream(block: int, v: int) -> int:
+    """The Philox stream of the noise of tensor v of block ``block``."""
+    return block * _BLOCK_STREAMS + _NOISE_STREAM + v
+
+
+def check_block_index(block, num_tensors: int) -> int:
+    """``block`` as an int, if it and its ``num_tensors`` tensors fit the
+    stream layout (ValueError otherwise): streams must not overlap."""
+    if (isinstance(block, bool) or not isinstance(block, numbers.Integral)
+            or not 0 <= block < MAX_BLOCKS):
+        raise ValueError(
+            f'block must be an integer in [0, {MAX_BLOCKS}), got {block!r}.')
+    if num_tensors >= _NOISE_STREAM:
+        raise ValueError(
+            f'a block may hold at most {_NOISE_STREAM - 1} tensors, got '
+            f'{num_tensors}.')
+    return int(block)
+
+
+def row_masks(key, stream, rows, offset, d, q2):
+    """[rows, d] masks of one tensor for examples offset..offset+rows-1.
+
+    ``stream`` is the tensor's mask stream (``mask_stream``). Each row takes
+    a whole number of 128-bit Philox blocks, starting at the block index of
+    its global position, so the entries of an example do not depend on which
+    rows are generated together.
+    """
+    bits = mask_bits_per_coordinate(q2)
+    threshold = int(effective_coordinate_sampling_rate(q2)
+                    * 2**bits)
+    per_block = 128 // bits
+    blocks = -(-d // per_block)
+    words = tf.raw_ops.StatelessRandomUniformFullIntV2(
+        shape=tf.stack([rows, blocks * 4]),
+        key=key,
+        counter=_counter(tf.cast(offset, tf.int64) * blocks, stream),
+        alg=_PHILOX_ALG,
+        dtype=tf.uint32)
+    if bits == 16:
+        draws = tf.bitcast(words, tf.uint16)
+        limit = tf.constant(threshold, tf.uint16)
+    else:
+        draws = tf.bitcast(words, tf.uint8)  # [rows, 4 * blocks, 4]
+        if bits < 8:
+            shifts = tf.constant(list(range(0, 8, bits)), tf.uint8)
+            draws = tf.bitwise.bitwise_and(
+                tf.bitwise.right_shift(draws[..., None], shifts),
+                tf.constant(2**bits - 1, tf.uint8))
+        limit = tf.constant(threshold, tf.uint8)
+    draws = tf.reshape(draws, [-1, blocks * per_block])
+    if blocks * per_block != d:
+        draws = draws[:, :d]
+    return tf.less(draws, limit)
+
+
+def coordinate_masks(
+    key: tf.Tensor,
+    shapes: Sequence[Sequence[int]],
+    coordinate_sampling_rate: float,
+    batch_size: TensorLike,
+    example_offset: TensorLike = 0,
+    *,
+    block: int = 0,
+) -> List[tf.Tensor]:
+    """Boolean Bernoulli masks of shape [batch_size, *shape], one per shape.
+
+    Each entry is True independently with probability
+    ``effective_coordinate_sampling_rate(q2)``: a uniform draw of
+    ``mask_bits_per_coordinate(q2)`` bits is compared with the rate times
+    2**bits. Row i of the masks for tensor v of block ``block`` is a function
+    of (key, block, v, example_offset + i) only, so masks do not depend on
+    how a logical batch is split into microbatches, and different blocks
+    (or tensors) draw from disjoint Philox streams.
+    """
+    config_lib.check_coordinate_sampling_rate(coordinate_sampling_rate)
+    block = check_block_index(block, len(shapes))
+    batch_size = tf.cast(batch_size, tf.int32)
+    if coordinate_sampling_rate >= 1:
+        return [tf.ones(tf.concat([[batch_size], shape], 0), tf.bool)
+                for shape in shapes]
+    masks = []
+    for v, shape in enumerate(shapes):
+        shape = [int(s) for s in shape]
+        d = int(math.prod(shape))
+        if d == 0:
+            masks.append(tf.zeros(tf.concat([[batch_size], shape], 0),
+                                  tf.bool))
+            continue
+        mask = row_masks(key, mask_stream(block, v), batch_size,
+                         example_offset, d, coordinate_sampling_rate)
+        masks.append(tf.reshape(mask, [-1] + shape))
+    return masks
+
+
+def standard_normal_noise(
+    key: tf.Tensor,
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[tf.DType],
+    *,
+    block: int = 0,
+) -> List[tf.Tensor]:
+    """Independent N(0, 1) tensors of the given shapes, one stream each.
+
+    Tensor v of block ``block`` uses its own Philox stream, distinct from
+    every other tensor's and block's noise and masks under the same key.
+    """
+    block = check_block_index(block, len(shapes))
+    return [
+        tf.raw_ops.StatelessRandomNormalV2(
+            shape=[int(s) for s in shape],
+            key=key,
+            counter=_counter(0, noise_stream(block, v)),
+            alg=_PHILOX_ALG,
+            dtype=dtype)
+        for v, (shape, dtype) in enumerate(zip(shapes, dtypes))
+    ]
