@@ -71,11 +71,13 @@ def mechanism_settings(config: TrainConfig, plan: Any) -> Dict[str, Any]:
         target_epsilon=plan.target_epsilon, delta=plan.delta,
         steps=plan.planned_steps)
     if config.mode == 'hybrid':
-        # The seed picks the public basis, which splits the l2 budget.
+        # Never the seed: run.json lies beside the checkpoints, and the seed
+        # would recompute the sampling, the masks and the noise. A resumed
+        # hybrid run keeps its recorded per-block clips and noise (set from
+        # public data, so any seed keeps the guarantee).
         settings.update(principal_d0=float(config.principal_d0),
                         ranks=list(plan.ranks),
-                        parameter_groups=config.parameter_groups,
-                        seed=config.seed)
+                        parameter_groups=config.parameter_groups)
     return json.loads(json.dumps(settings))
 
 
