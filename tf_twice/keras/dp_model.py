@@ -189,6 +189,37 @@ def _ledgers(callbacks: Any) -> List[ledger_lib.PrivacyLedger]:
             if isinstance(c, ledger_lib.PrivacyLedger)]
 
 
+def _check_no_nonprivate_monitor(callbacks: Any) -> None:
+    """Refuses callbacks that act on the noise-free training logs.
+
+    ``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint(
+    save_best_only=True)`` and any callback with a ``monitor`` act on the
+    value they monitor: on a ``nonprivate_*`` log (the loss and metrics of
+    the private batch without noise) the number of steps, the learning
+    rate or the checkpoint released would be a noise-free function of the
+    private data, which no accountant covers.
+    """
+    if callbacks is None:
+        return
+    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for callback in tf.nest.flatten(callbacks):
+        monitor = getattr(callback, 'monitor', None)
+        if not (isinstance(monitor, str)
+                and monitor.startswith(NONPRIVATE_PREFIX)):
+            continue
+        if isinstance(callback, tf.keras.callbacks.ModelCheckpoint) and (
+                not getattr(callback, 'save_best_only', False)):
+            continue  # Saves every time: the monitored value is not used.
+        raise ValueError(
+            f'{type(callback).__name__} monitors {monitor!r}, a loss or '
+            'metric of the private batch without noise: its decisions (when '
+            'to stop, the learning rate, which checkpoint to keep) would '
+            'release private information that the PrivacyLedger does not '
+            'account. Monitor \'epsilon\' or a metric of PUBLIC validation '
+            'data (validation_data=...), or remove the callback.')
+
+
 def _pad_rows(t: tf.Tensor, padded_size: tf.Tensor) -> tf.Tensor:
     rank = t.shape.rank
     if rank is None or rank == 0:
@@ -597,7 +628,10 @@ class DPModel(tf.keras.Model):
           at its rate q1: the accountant's epsilon is not a bound for arrays
           batched by ``fit`` or ``shuffle().batch()`` pipelines, so they are
           refused (ValueError);
-        * the ledger's event must be this model's ``dp_event()``.
+        * the ledger's event must be this model's ``dp_event()``;
+        * no callback may act on a ``nonprivate_*`` log (e.g.
+          ``EarlyStopping(monitor='nonprivate_loss')``): those are the
+          private batch's loss and metrics without noise.
 
         Without a ledger, ``fit`` trains as ``tf.keras.Model.fit`` does and
         NOTHING IS ACCOUNTED: no epsilon holds unless the caller accounts
@@ -624,6 +658,7 @@ class DPModel(tf.keras.Model):
             guards.check_ledger_event(ledger.event, self)
             _check_poisson_input(x, self.config,
                                  strict=not allow_non_poisson_input)
+            _check_no_nonprivate_monitor(callbacks)
         is_dataset = isinstance(x, tf.data.Dataset)
         if is_dataset and len(args) < 3:
             # Each element is one logical batch: there is nothing to
