@@ -844,7 +844,13 @@ def _basis_kwargs(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
 
 
 def _hybrid_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
-    """What determines the per-block clips and noise of a hybrid run."""
+    """What determines the per-block clips and noise of a hybrid run.
+
+    Never the seed: run.json lies beside the checkpoints, and a seed
+    recomputes the initial weights, the sampling, the masks and the noise.
+    (Clips and noise from public data only, so reusing them under another
+    seed keeps the guarantee.)
+    """
     return dict(
         l2_norm_clip=float(config.l2_norm_clip),
         linf_norm_clip=config.linf_norm_clip, d0=plan.d0,
@@ -855,7 +861,7 @@ def _hybrid_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
         example_sampling_rate=plan.example_sampling_rate,
         coordinate_sampling_rate=plan.coordinate_sampling_rate,
         planned_steps=plan.planned_steps, public_examples=int(
-            config.public_examples), seed=config.seed)
+            config.public_examples))
 
 
 def _learn_public_basis(config: TrainConfig, plan: Plan, data: Data,
