@@ -260,3 +260,21 @@ def test_ledger_epsilon_at_q2_one_is_dp_accountings_subsampled_gaussian():
         assert TwiceSamplingRdpAccountant(ledger.orders).compose(
             event, steps).get_epsilon(DELTA) == pytest.approx(
                 ledger.epsilon, rel=1e-12)
+
+
+def test_ledger_epsilon_at_d0_one_is_a_gaussian_subsampled_at_q1_q2():
+    # With c_inf = c2 (d0 = 1) an example's worst case is one coordinate,
+    # kept with probability q2: the dominating pair is exactly a Gaussian
+    # Poisson-subsampled at q1 * q2 (an independent computation).
+    q1, q2, z, steps = 0.05, 0.5, 1.2, 500
+    event = TwiceSampledGaussianDpEvent(
+        example_sampling_rate=q1, coordinate_sampling_rate=q2,
+        noise_multiplier=z, l2_norm_clip=1.0, linf_norm_clip=1.0)
+    ledger = PrivacyLedger(event, DELTA, orders=list(range(2, 65)),
+                           verbose=0)
+    ledger.record_steps(steps)
+    reference = dp_accounting.rdp.RdpAccountant(ledger.orders)
+    reference.compose(dp_accounting.PoissonSampledDpEvent(
+        q1 * q2, dp_accounting.GaussianDpEvent(z)), steps)
+    assert ledger.epsilon == pytest.approx(reference.get_epsilon(DELTA),
+                                           rel=1e-9)
