@@ -278,3 +278,31 @@ def test_ledger_epsilon_at_d0_one_is_a_gaussian_subsampled_at_q1_q2():
         q1 * q2, dp_accounting.GaussianDpEvent(z)), steps)
     assert ledger.epsilon == pytest.approx(reference.get_epsilon(DELTA),
                                            rel=1e-9)
+
+
+# --- (1) a stale secret run state -------------------------------------------------
+
+
+def test_random_state_of_another_step_is_refused(tmp_path):
+    # The state saved after step 1, loaded into the checkpoint of step 2:
+    # step 3 would reuse step 2's key, i.e. the noise already released in
+    # the checkpoint (two releases with one noise reveal their difference).
+    secret = str(tmp_path / 'random_state.json')
+    weights = str(tmp_path / 'model.weights.h5')
+    x, y = tiny_models.data(4)
+    dp = DPModel(tiny_models.linear(), _config(), physical_batch_size=8,
+                 seed=3)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    tiny_models.one_step(dp, x, y)
+    dp.save_random_state(secret)
+    tiny_models.one_step(dp, x, y)
+    dp.save_weights(weights)
+
+    resumed = DPModel(tiny_models.linear(), _config(), physical_batch_size=8,
+                      seed=3)
+    resumed.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    resumed(x)
+    resumed.load_weights(weights)
+    assert int(resumed.optimizer.iterations) == 2
+    with pytest.raises(ValueError, match='step'):
+        resumed.load_random_state(secret)

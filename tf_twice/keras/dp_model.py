@@ -81,12 +81,15 @@ private batch without noise; their keys carry the prefix ``nonprivate_``
 (e.g. ``nonprivate_loss``) so that nobody mistakes them for released values.
 """
 
+import json
 import logging
 import math
+import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_twice import _files as files
 from tf_twice import _keras
 from tf_twice import _validate
 from tf_twice import config as config_lib
@@ -481,12 +484,40 @@ class DPModel(tf.keras.Model):
         exactly: anyone holding the file can recompute the noise of every
         later step and subtract it from released weights. Keep it apart
         from checkpoints and models, as secret as the training data.
+        The file records the optimizer's step count, so that it only
+        loads into a model at that step.
         """
-        self._require_aggregator().keys.save(path)
+        state = self._require_aggregator().keys.get_state()
+        optimizer = getattr(self, 'optimizer', None)
+        if optimizer is not None:
+            state['step'] = int(optimizer.iterations.numpy())
+        files.atomic_write_json(os.fspath(path), state)
 
     def load_random_state(self, path: str) -> None:
-        """Continues the step keys from a ``save_random_state`` file."""
-        self._require_aggregator().keys.load(path)
+        """Continues the step keys from a ``save_random_state`` file.
+
+        Raises:
+          ValueError: the file was saved at another step count than the
+            model's (e.g. an older file beside a newer checkpoint): the
+            next steps would reuse the keys, i.e. the noise, of steps whose
+            updates are already in the checkpoint.
+        """
+        keys = self._require_aggregator().keys
+        with open(os.fspath(path)) as f:
+            state = json.load(f)
+        optimizer = getattr(self, 'optimizer', None)
+        step = state.get('step') if isinstance(state, dict) else None
+        if step is not None and optimizer is not None and int(step) != int(
+                optimizer.iterations.numpy()):
+            raise ValueError(
+                f'The random state in {os.fspath(path)!r} was saved at step '
+                f'{step}, but this model is at step '
+                f'{int(optimizer.iterations.numpy())}: its next steps would '
+                'reuse the noise of steps already in the weights. Load the '
+                'checkpoint saved with that state (load_weights first, then '
+                'load_random_state), or leave the state unloaded (fresh OS '
+                'entropy).')
+        keys.set_state(state)
 
     def dp_event(self) -> TwiceSampledGaussianDpEvent:
         """The DpEvent of one ``train_step`` on Poisson batches: derived
