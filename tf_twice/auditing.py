@@ -316,6 +316,8 @@ def audit_one_step(model: tf.keras.Model,
         optimizer.build(variables)
     before = {id(v): v.numpy() for v in
               variables + _optimizer_variables(optimizer)}
+    keys = getattr(getattr(model, 'aggregator', None), 'keys', None)
+    draws_before = None if keys is None else keys.draws
     tf.function(model.train_step)((x, y, tf.zeros([num_rows], tf.float32)))
     state = variables + _optimizer_variables(optimizer)
     # A variable the warm-up created starts every trial from its value
@@ -378,6 +380,9 @@ def audit_one_step(model: tf.keras.Model,
     finally:
         for v, value in zip(state, initial):
             v.assign(value)
+        if keys is not None:
+            # The trials' steps are not charged: their weights are restored.
+            keys.accounted_draws += keys.draws - draws_before
 
     without, with_ = scores
     threshold = select_threshold(without[:num_selection],

@@ -277,6 +277,21 @@ def _pad(t: tf.Tensor, pad: tf.Tensor) -> tf.Tensor:
     return tf.concat([t, zeros], axis=0)
 
 
+def _per_example(preprocess_fn, xb, yb):
+    """``preprocess_fn`` on each example alone (a batch of one), so that it
+    cannot mix examples (batch statistics, mixup): every output row is a
+    function of its own example only, as per-example sensitivity needs."""
+
+    @tf.autograph.experimental.do_not_convert
+    def one(example):
+        xi, yi = tf.nest.map_structure(lambda t: t[None], example)
+        xo, yo = preprocess_fn(xi, yi)
+        return tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[0],
+                                     (xo, yo))
+
+    return tf.vectorized_map(one, (xb, yb))
+
+
 def poisson_batches(
         x: Any,
         y: Any,
@@ -314,11 +329,12 @@ def poisson_batches(
         `get_poisson_sampling_info(ds).seed`). Do not reuse a seed for a
         resumed run (see the module docstring).
       start_step: step index of the first element (>= 0).
-      preprocess_fn: optional `(x_batch, y_batch) -> (x_batch, y_batch)` run
-        on the k sampled examples before padding (normalisation, per-example
-        augmentation). It must treat each example independently and keep k;
-        anything that mixes examples (mixup, batch statistics) breaks the
-        guarantee.
+      preprocess_fn: optional `(x_batch, y_batch) -> (x_batch, y_batch)`
+        for per-example preprocessing (normalisation by constants,
+        augmentation) of the sampled examples before padding. It is run on
+        each example alone, as a batch of one (under `tf.vectorized_map`),
+        so it cannot mix examples: batch statistics are those of the one
+        example.
 
     Returns:
       A `tf.data.Dataset` of `(x, y, sample_weight)`, leading dimension a
@@ -396,7 +412,7 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
         xb = tf.nest.map_structure(lambda t: tf.gather(t, indices), x)
         yb = tf.nest.map_structure(lambda t: tf.gather(t, indices), y)
         if preprocess_fn is not None:
-            xb, yb = preprocess_fn(xb, yb)
+            xb, yb = _per_example(preprocess_fn, xb, yb)
         pad = tf.math.floormod(-k, p)  # 0 stays 0: empty batches stay empty.
         xb = tf.nest.map_structure(lambda t: _pad(t, pad), xb)
         yb = tf.nest.map_structure(lambda t: _pad(t, pad), yb)

@@ -164,6 +164,11 @@ def basis_kwargs(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
 def hybrid_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
     """What determines the per-block clips and noise of a hybrid run.
 
+    Never the seed: run.json lies beside the checkpoints, and a seed
+    recomputes the initial weights, the sampling, the masks and the noise.
+    (Clips and noise come from public data only, so reusing them under
+    another seed keeps the guarantee.)
+
     The budget (target epsilon, delta, planned steps) is part of it only
     when the noise is calibrated: with --noise_multiplier, a resumed run
     may plan more steps and keep its blocks.
@@ -176,7 +181,7 @@ def hybrid_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
         noise_multiplier=config.noise_multiplier,
         example_sampling_rate=plan.example_sampling_rate,
         coordinate_sampling_rate=plan.coordinate_sampling_rate,
-        public_examples=int(config.public_examples), seed=config.seed)
+        public_examples=int(config.public_examples))
     if config.noise_multiplier is None:
         record.update(target_epsilon=plan.target_epsilon, delta=plan.delta,
                       planned_steps=plan.planned_steps)

@@ -81,12 +81,15 @@ private batch without noise; their keys carry the prefix ``nonprivate_``
 (e.g. ``nonprivate_loss``) so that nobody mistakes them for released values.
 """
 
+import json
 import logging
 import math
+import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_twice import _files as files
 from tf_twice import _keras
 from tf_twice import _validate
 from tf_twice import config as config_lib
@@ -187,6 +190,37 @@ def _ledgers(callbacks: Any) -> List[ledger_lib.PrivacyLedger]:
         callbacks = callbacks.callbacks
     return [c for c in tf.nest.flatten(callbacks)
             if isinstance(c, ledger_lib.PrivacyLedger)]
+
+
+def _check_no_nonprivate_monitor(callbacks: Any) -> None:
+    """Refuses callbacks that act on the noise-free training logs.
+
+    ``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint(
+    save_best_only=True)`` and any callback with a ``monitor`` act on the
+    value they monitor: on a ``nonprivate_*`` log (the loss and metrics of
+    the private batch without noise) the number of steps, the learning
+    rate or the checkpoint released would be a noise-free function of the
+    private data, which no accountant covers.
+    """
+    if callbacks is None:
+        return
+    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for callback in tf.nest.flatten(callbacks):
+        monitor = getattr(callback, 'monitor', None)
+        if not (isinstance(monitor, str)
+                and monitor.startswith(NONPRIVATE_PREFIX)):
+            continue
+        if isinstance(callback, tf.keras.callbacks.ModelCheckpoint) and (
+                not getattr(callback, 'save_best_only', False)):
+            continue  # Saves every time: the monitored value is not used.
+        raise ValueError(
+            f'{type(callback).__name__} monitors {monitor!r}, a loss or '
+            'metric of the private batch without noise: its decisions (when '
+            'to stop, the learning rate, which checkpoint to keep) would '
+            'release private information that the PrivacyLedger does not '
+            'account. Monitor \'epsilon\' or a metric of PUBLIC validation '
+            'data (validation_data=...), or remove the callback.')
 
 
 def _pad_rows(t: tf.Tensor, padded_size: tf.Tensor) -> tf.Tensor:
@@ -450,12 +484,40 @@ class DPModel(tf.keras.Model):
         exactly: anyone holding the file can recompute the noise of every
         later step and subtract it from released weights. Keep it apart
         from checkpoints and models, as secret as the training data.
+        The file records the optimizer's step count, so that it only
+        loads into a model at that step.
         """
-        self._require_aggregator().keys.save(path)
+        state = self._require_aggregator().keys.get_state()
+        optimizer = getattr(self, 'optimizer', None)
+        if optimizer is not None:
+            state['step'] = int(optimizer.iterations.numpy())
+        files.atomic_write_json(os.fspath(path), state)
 
     def load_random_state(self, path: str) -> None:
-        """Continues the step keys from a ``save_random_state`` file."""
-        self._require_aggregator().keys.load(path)
+        """Continues the step keys from a ``save_random_state`` file.
+
+        Raises:
+          ValueError: the file was saved at another step count than the
+            model's (e.g. an older file beside a newer checkpoint): the
+            next steps would reuse the keys, i.e. the noise, of steps whose
+            updates are already in the checkpoint.
+        """
+        keys = self._require_aggregator().keys
+        with open(os.fspath(path)) as f:
+            state = json.load(f)
+        optimizer = getattr(self, 'optimizer', None)
+        step = state.get('step') if isinstance(state, dict) else None
+        if step is not None and optimizer is not None and int(step) != int(
+                optimizer.iterations.numpy()):
+            raise ValueError(
+                f'The random state in {os.fspath(path)!r} was saved at step '
+                f'{step}, but this model is at step '
+                f'{int(optimizer.iterations.numpy())}: its next steps would '
+                'reuse the noise of steps already in the weights. Load the '
+                'checkpoint saved with that state (load_weights first, then '
+                'load_random_state), or leave the state unloaded (fresh OS '
+                'entropy).')
+        keys.set_state(state)
 
     def dp_event(self) -> TwiceSampledGaussianDpEvent:
         """The DpEvent of one ``train_step`` on Poisson batches: derived
@@ -597,7 +659,10 @@ class DPModel(tf.keras.Model):
           at its rate q1: the accountant's epsilon is not a bound for arrays
           batched by ``fit`` or ``shuffle().batch()`` pipelines, so they are
           refused (ValueError);
-        * the ledger's event must be this model's ``dp_event()``.
+        * the ledger's event must be this model's ``dp_event()``;
+        * no callback may act on a ``nonprivate_*`` log (e.g.
+          ``EarlyStopping(monitor='nonprivate_loss')``): those are the
+          private batch's loss and metrics without noise.
 
         Without a ledger, ``fit`` trains as ``tf.keras.Model.fit`` does and
         NOTHING IS ACCOUNTED: no epsilon holds unless the caller accounts
@@ -624,6 +689,7 @@ class DPModel(tf.keras.Model):
             guards.check_ledger_event(ledger.event, self)
             _check_poisson_input(x, self.config,
                                  strict=not allow_non_poisson_input)
+            _check_no_nonprivate_monitor(callbacks)
         is_dataset = isinstance(x, tf.data.Dataset)
         if is_dataset and len(args) < 3:
             # Each element is one logical batch: there is nothing to

@@ -614,10 +614,12 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         Every step-key stream of the model (``DPModel.key_streams``: those
         of DP optimizers replaced by a recompile, then the current one) and
         every stream seen before is read, so no stream's steps are lost.
-        The streams of the ledger's first sight start at their counts then
-        (earlier steps are not this ledger's); a stream seen later starts
-        at 0 (it can only over-charge). Returns False for a model without
-        step keys.
+        The streams of the ledger's first sight start where the charges of
+        earlier ledgers end (``StepKeys.accounted_draws``): steps that ran
+        before any ledger saw the model (a ``fit`` without a ledger, a
+        custom loop) are charged, steps another ledger charged are not; a
+        stream seen later starts at 0 (it can only over-charge). Returns
+        False for a model without step keys.
         """
         streams = getattr(self.model, 'key_streams', None)
         if not streams:
@@ -625,13 +627,16 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         first_sight = not self._charged_draws
         for keys in streams:
             if id(keys) not in self._charged_draws:
-                start = keys.draws if first_sight else 0
+                start = (min(keys.draws, getattr(keys, 'accounted_draws', 0))
+                         if first_sight else 0)
                 self._charged_draws[id(keys)] = [keys, start]
         executed = 0
         for entry in self._charged_draws.values():
             draws = entry[0].draws
             executed += draws - entry[1]
             entry[1] = draws
+            entry[0].accounted_draws = max(
+                getattr(entry[0], 'accounted_draws', 0), draws)
         self._charge_counted(executed)
         return True
 

@@ -22,6 +22,7 @@ is described twice, so nothing can disagree.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
@@ -67,6 +68,14 @@ def _planned_steps(config: config_lib.TwiceSamplingConfig,
     return config.steps_for_epochs(epochs)
 
 
+def _resumed_seed(seed: int, steps: int) -> int:
+    """The sampling seed of a run resumed after ``steps`` charged steps: a
+    hash of both, in [0, 2**63), secret as ``seed`` is."""
+    digest = hashlib.sha256(
+        f'tf_twice.resumed_sampling:{int(seed)}:{int(steps)}'.encode())
+    return int.from_bytes(digest.digest()[:8], 'big') >> 1
+
+
 def make_private(
         model: tf.keras.Model,
         config: config_lib.TwiceSamplingConfig,
@@ -103,7 +112,10 @@ def make_private(
       basis: a ``HybridBasis`` from PUBLIC data for hybrid clipping (the
         config then has one Block per basis block).
       seed: of the masks and noise (experiments only; see ``DPModel``).
-      data_seed: of the Poisson sampling (None: from the OS).
+      data_seed: of the Poisson sampling (None: from the OS). A run
+        resumed from ``state_path`` samples with a seed derived from it
+        and the steps the ledger charged, so a fixed seed never replays a
+        batch of the earlier run.
       preprocess_fn: per-example preprocessing of sampled batches (see
         ``tf_twice.sampling.poisson_batches``); data-independent only.
       state_path, log_dir, verbose: of the ``PrivacyLedger``.
@@ -142,18 +154,24 @@ def make_private(
     private = dp_model_lib.DPModel(model, config,
                                    physical_batch_size=physical_batch_size,
                                    seed=seed, basis=basis)
+    ledger = ledger_lib.PrivacyLedger.for_model(
+        private, delta=delta, target_epsilon=target_epsilon,
+        max_steps=steps, state_path=state_path, log_dir=log_dir,
+        verbose=verbose)
+    # A run resumed from the ledger's state file samples from another
+    # stream (the seed mixed with the steps charged), starting after those
+    # steps: with the same data_seed, no logical batch of the earlier run
+    # is drawn again, also if it made more iterators than it trained on.
+    if data_seed is not None and ledger.steps:
+        data_seed = _resumed_seed(data_seed, ledger.steps)
     data = sampling.poisson_batches(
         x, y, physical_batch_size=private.physical_batch_size,
         expected_batch_size=config.expected_batch_size, seed=data_seed,
-        preprocess_fn=preprocess_fn)
+        start_step=ledger.steps, preprocess_fn=preprocess_fn)
     info = sampling.get_poisson_sampling_info(data)
     if info.num_examples != config.num_examples:
         raise ValueError(
             f'config.num_examples is {config.num_examples} but x and y hold '
             f'{info.num_examples} examples.')
-    ledger = ledger_lib.PrivacyLedger.for_model(
-        private, delta=delta, target_epsilon=target_epsilon,
-        max_steps=steps, state_path=state_path, log_dir=log_dir,
-        verbose=verbose)
     return PrivateTraining(private, data, ledger, steps,
                            math.ceil(steps / config.steps_per_epoch))

@@ -1,0 +1,293 @@
+"""Attacks on the privacy path: ways the stated (epsilon, delta) could
+silently stop holding, each refused or accounted.
+
+Every test here failed before the change it pins down:
+
+* steps a DP model ran before any ledger saw it (a ``fit`` without the
+  ledger, a custom loop) are charged by the first ledger that sees it;
+* callbacks that act on the noise-free ``nonprivate_*`` training logs
+  (EarlyStopping, ReduceLROnPlateau, ModelCheckpoint's ``save_best_only``)
+  would make the schedule or the released checkpoint a noise-free
+  function of the private data: refused when a ledger is attached;
+* ``make_private`` resumed from a ledger state file with a fixed
+  ``data_seed`` starts sampling after the steps already charged, so no
+  Poisson batch of the earlier run is drawn again;
+* the training script's ``run.json`` holds no seed;
+* ``preprocess_fn`` of ``poisson_batches`` runs on each example alone, so
+  a preprocessing step that uses batch statistics cannot mix examples.
+"""
+
+import json
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from examples.training import plan as plan_lib
+from examples.training import resume
+from examples.training import settings
+from tests import tiny_models
+from tf_twice import sampling
+from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.accounting import TwiceSamplingRdpAccountant
+from tf_twice.config import TwiceSamplingConfig
+from tf_twice.keras import DPModel
+from tf_twice.keras import PrivacyLedger
+from tf_twice.keras import make_private
+
+DELTA = 1e-5
+N = 64
+_RNG = np.random.default_rng(0)
+X = _RNG.normal(size=[N, tiny_models.NUM_FEATURES]).astype(np.float32)
+Y = _RNG.integers(0, tiny_models.NUM_CLASSES, N)
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _config(**changes):
+    values = dict(num_examples=N, expected_batch_size=16.0, l2_norm_clip=1.0,
+                  linf_norm_clip=0.5, coordinate_sampling_rate=0.5,
+                  noise_multiplier=1.0)
+    values.update(changes)
+    return TwiceSamplingConfig.single(**values)
+
+
+def _dp_model(**changes):
+    dp = DPModel(tiny_models.linear(), _config(**changes),
+                 physical_batch_size=8)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    return dp
+
+
+def _data(steps=3, seed=1):
+    return sampling.poisson_batches(X, Y, physical_batch_size=8,
+                                    expected_batch_size=16.0, steps=steps,
+                                    seed=seed)
+
+
+# --- (1) steps no ledger charged ---------------------------------------------
+
+
+def test_steps_of_a_fit_without_ledger_are_charged_by_the_next_ledger():
+    # The weights released after the second fit depend on all five steps.
+    dp = _dp_model()
+    dp.fit(_data(steps=3), verbose=0)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=2, seed=2), callbacks=[ledger], verbose=0)
+    assert int(dp.optimizer.iterations) == 5
+    assert ledger.steps == 5
+
+
+def test_custom_loop_steps_before_the_first_fit_are_charged():
+    dp = _dp_model()
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=2):
+        step(batch)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=1, seed=2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == int(dp.optimizer.iterations) == 3
+
+
+def test_a_second_ledger_on_the_same_state_file_charges_no_step_twice(
+        tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    dp = _dp_model()
+    first = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
+                                    save_every_steps=1, verbose=0)
+    dp.fit(_data(steps=3), callbacks=[first], verbose=0)
+    second = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
+                                     save_every_steps=1, verbose=0)
+    dp.fit(_data(steps=2, seed=2), callbacks=[second], verbose=0)
+    assert second.steps == int(dp.optimizer.iterations) == 5
+
+
+def test_audit_trials_are_not_charged():
+    from tf_twice import auditing  # pylint: disable=g-import-not-at-top
+    dp = _dp_model()
+    x, y = tiny_models.data(1, seed=5)
+    auditing.audit_one_step(dp, (x[0], y[0]), num_trials=20, delta=0.1)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 2
+
+
+# --- (2) callbacks on noise-free training logs ---------------------------------
+
+
+@pytest.mark.parametrize('callback', [
+    lambda: tf.keras.callbacks.EarlyStopping(monitor='nonprivate_loss'),
+    lambda: tf.keras.callbacks.ReduceLROnPlateau(
+        monitor='nonprivate_accuracy'),
+    lambda: tf.keras.callbacks.ModelCheckpoint(
+        '/tmp/unused.weights.h5', save_weights_only=True,
+        monitor='nonprivate_loss', save_best_only=True),
+])
+def test_callbacks_that_act_on_nonprivate_logs_are_refused(callback):
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    with pytest.raises(ValueError, match='nonprivate_'):
+        dp.fit(_data(), callbacks=[ledger, callback()], verbose=0)
+    assert int(dp.optimizer.iterations) == 0
+
+
+def test_callbacks_on_other_logs_are_accepted():
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(), callbacks=[
+        ledger, tf.keras.callbacks.EarlyStopping(monitor='epsilon',
+                                                 mode='max')],
+        verbose=0)
+    assert ledger.steps == 3
+
+
+# --- (3) resumed sampling ----------------------------------------------------
+
+
+def test_make_private_resumed_with_a_data_seed_does_not_replay_batches(
+        tmp_path):
+    path = str(tmp_path / 'ledger.json')
+
+    def run():
+        return make_private(tiny_models.linear(), _config(), X, Y,
+                            delta=DELTA, steps=8, data_seed=11,
+                            state_path=path, verbose=0)
+
+    first = run()
+    first.model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    # An iterator made to look at the data (not trained on), then 3 steps.
+    next(iter(first.data))
+    first.model.fit(first.data.take(3), callbacks=[first.ledger], verbose=0)
+    charged = first.ledger.steps
+    assert charged >= 3
+
+    second = run()  # A new process would do the same.
+    before = sampling.get_poisson_sampling_info(first.data)
+    after = sampling.get_poisson_sampling_info(second.data)
+    # Step indices of each run's first 4 iterations (epochs).
+    per_epoch = before.steps
+
+    def drawn(info):
+        return {(info.seed, info.start_step + i)
+                for i in range(4 * per_epoch)}
+
+    assert not drawn(before) & drawn(after)
+    # Another seed, so also the batches differ.
+    first_batch = sampling.sample_logical_batch_indices(
+        N, example_sampling_rate=16.0 / N, seed=after.seed,
+        step=after.start_step)
+    replayed = [sampling.sample_logical_batch_indices(
+        N, example_sampling_rate=16.0 / N, seed=before.seed, step=s)
+                for s in range(4 * per_epoch)]
+    assert not any(np.array_equal(first_batch, r) for r in replayed)
+
+
+# --- (4) the training script's run file ------------------------------------------
+
+def test_training_script_run_file_holds_no_seed(tmp_path):
+    secret = 987654321
+    config = settings.check_config(dict(
+        mode='hybrid', seed=secret, public_examples=50, ranks='4',
+        noise_multiplier=1.0, steps=3))
+    plan = plan_lib.resolve_plan(config, 1000)
+    plan.ranks, plan.block_dimensions = (4,), (4, 100)
+    plan.l2_norm_clip, plan.linf_norm_clip = (0.6, 0.8), (0.6, 0.08)
+    plan.noise_multiplier = (1.0, 1.0)
+    resume.write_run_file(config, plan, str(tmp_path),
+                          hybrid=plan_lib.hybrid_blocks_record(config, plan))
+    text = (tmp_path / resume.RUN_FILENAME).read_text()
+    assert str(secret) not in text
+    assert 'seed' not in json.loads(text).get('hybrid', {}).get(
+        'settings', {})
+
+
+# --- (5) preprocessing that mixes examples -----------------------------------------
+
+
+def test_preprocess_fn_cannot_mix_the_examples_of_a_batch():
+    # Centring by the batch mean would make every example's input depend
+    # on the others (one record shifts every other record's gradient).
+    x = np.arange(8, dtype=np.float32)[:, None] * np.ones([1, 3], np.float32)
+
+    def centre(xb, yb):
+        return xb - tf.reduce_mean(xb, axis=0, keepdims=True), yb
+
+    ds = sampling.poisson_batches(x, np.arange(8), physical_batch_size=8,
+                                  example_sampling_rate=1.0, steps=1, seed=0,
+                                  preprocess_fn=centre)
+    xb, _, _ = next(ds.as_numpy_iterator())
+    # Applied to each example alone, the batch of one is its own mean.
+    np.testing.assert_array_equal(xb, np.zeros_like(xb))
+
+
+# --- (7) the ledger's numbers against dp_accounting ----------------------------
+
+
+def test_ledger_epsilon_at_q2_one_is_dp_accountings_subsampled_gaussian():
+    # q2 = 1: exactly dp_accounting's Poisson-subsampled Gaussian at integer
+    # orders; at fractional orders the ledger uses the next integer order,
+    # an upper bound.
+    q1, z, steps = 0.01, 1.1, 1000
+    event = TwiceSampledGaussianDpEvent(
+        example_sampling_rate=q1, coordinate_sampling_rate=1.0,
+        noise_multiplier=z, l2_norm_clip=1.0, linf_norm_clip=None)
+    reference_event = dp_accounting.PoissonSampledDpEvent(
+        q1, dp_accounting.GaussianDpEvent(z))
+    for orders, exact in ((list(range(2, 65)), True), (None, False)):
+        ledger = PrivacyLedger(event, DELTA, orders=orders, verbose=0)
+        ledger.record_steps(steps)
+        reference = dp_accounting.rdp.RdpAccountant(ledger.orders)
+        reference.compose(reference_event, steps)
+        if exact:
+            assert ledger.epsilon == pytest.approx(
+                reference.get_epsilon(DELTA), rel=1e-9)
+        else:
+            assert ledger.epsilon >= reference.get_epsilon(DELTA)
+        assert TwiceSamplingRdpAccountant(ledger.orders).compose(
+            event, steps).get_epsilon(DELTA) == pytest.approx(
+                ledger.epsilon, rel=1e-12)
+
+
+def test_ledger_epsilon_at_d0_one_is_a_gaussian_subsampled_at_q1_q2():
+    # With c_inf = c2 (d0 = 1) an example's worst case is one coordinate,
+    # kept with probability q2: the dominating pair is exactly a Gaussian
+    # Poisson-subsampled at q1 * q2 (an independent computation).
+    q1, q2, z, steps = 0.05, 0.5, 1.2, 500
+    event = TwiceSampledGaussianDpEvent(
+        example_sampling_rate=q1, coordinate_sampling_rate=q2,
+        noise_multiplier=z, l2_norm_clip=1.0, linf_norm_clip=1.0)
+    ledger = PrivacyLedger(event, DELTA, orders=list(range(2, 65)),
+                           verbose=0)
+    ledger.record_steps(steps)
+    reference = dp_accounting.rdp.RdpAccountant(ledger.orders)
+    reference.compose(dp_accounting.PoissonSampledDpEvent(
+        q1 * q2, dp_accounting.GaussianDpEvent(z)), steps)
+    assert ledger.epsilon == pytest.approx(reference.get_epsilon(DELTA),
+                                           rel=1e-9)
+
+
+# --- (1) a stale secret run state -------------------------------------------------
+
+
+def test_random_state_of_another_step_is_refused(tmp_path):
+    # The state saved after step 1, loaded into the checkpoint of step 2:
+    # step 3 would reuse step 2's key, i.e. the noise already released in
+    # the checkpoint (two releases with one noise reveal their difference).
+    secret = str(tmp_path / 'random_state.json')
+    weights = str(tmp_path / 'model.weights.h5')
+    x, y = tiny_models.data(4)
+    dp = DPModel(tiny_models.linear(), _config(), physical_batch_size=8,
+                 seed=3)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    tiny_models.one_step(dp, x, y)
+    dp.save_random_state(secret)
+    tiny_models.one_step(dp, x, y)
+    dp.save_weights(weights)
+
+    resumed = DPModel(tiny_models.linear(), _config(), physical_batch_size=8,
+                      seed=3)
+    resumed.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    resumed(x)
+    resumed.load_weights(weights)
+    assert int(resumed.optimizer.iterations) == 2
+    with pytest.raises(ValueError, match='step'):
+        resumed.load_random_state(secret)
