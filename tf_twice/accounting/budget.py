@@ -367,7 +367,8 @@ class PrivacyBudget:
         """The composed `DpEvent` of every step charged."""
         return self._accountant.ledger
 
-    def _epsilon_and_order_after(self, extra_steps: int) -> Tuple[float, float]:
+    def _epsilon_and_order_after(self,
+                                 extra_steps: int) -> Tuple[float, float]:
         rdp = self._accountant.rdp
         if extra_steps:  # 0 * inf would be nan.
             rdp = rdp + extra_steps * self._event_rdp
@@ -460,9 +461,9 @@ class PrivacyBudget:
         self._write(reserve)
 
     def charge(self, count: int) -> None:
-        """Charges `count` steps of `event` that ran; the file is written
-        when more ran than it charges."""
-        self.compose(self._event, count)
+        """Charges `count` >= 1 steps of `event` that ran; the file is
+        written when more ran than it charges."""
+        self.compose(self._event, _validate.integer('count', count, 1))
         if self._state_path is not None and self._steps > self._disk_steps:
             self._write(reserve=0)
 

@@ -67,7 +67,6 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice import _keras
-from tf_twice import _validate
 from tf_twice.accounting import budget as budget_lib
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting.budget import STATE_FORMAT
@@ -313,7 +312,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         Steps are recorded even past the target (they happened); check
         `can_take` before running them.
         """
-        self._budget.charge(_validate.integer('count', count, 1))
+        self._budget.charge(count)
 
     def get_state(self) -> Dict[str, Any]:
         """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`)."""
@@ -388,7 +387,8 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
     def _stop(self, k: int) -> None:
         self.model.stop_training = True
         budget = self._budget
-        if budget.max_steps is not None and budget.steps + k > budget.max_steps:
+        max_steps = budget.max_steps
+        if max_steps is not None and budget.steps + k > max_steps:
             if self._verbose and not self._stopped_at_max_steps:
                 _LOGGER.warning('PrivacyLedger: stopping training after the '
                                 'planned %d steps (max_steps).', budget.steps)
