@@ -1,6 +1,7 @@
 """Tests of the per-example (fast) training path, DPModel."""
 
 import json
+import re
 import warnings
 
 import numpy as np
@@ -234,10 +235,39 @@ def test_non_finite_example_is_dropped():
 
 
 def test_weights_above_one_are_refused():
+    # From a dataset: in the graph, naming sample_weight and the range.
     x, y = _data(4)
     dp = _private(_mlp())
-    with pytest.raises(tf.errors.InvalidArgumentError, match='in \\[0, 1\\]'):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r'sample_weight must be finite and in \[0, 1\]'):
         tiny_models.one_step(dp, x, y, sample_weight=np.array([1, 2, 1, 1]))
+
+
+@pytest.mark.parametrize('weights, shown', [
+    ([1.0, 2.0, 1.0, 1.0], '2.0 at index 1'),
+    ([1.0, 1.0, -0.5, 1.0], '-0.5 at index 2'),
+    ([1.0, 1.0, 1.0, np.nan], 'nan at index 3'),
+    ([np.inf, 1.0, 1.0, 1.0], 'inf at index 0'),
+])
+@pytest.mark.parametrize('as_keyword', [True, False])
+def test_fit_refuses_array_weights_outside_0_1_before_training(
+        weights, shown, as_keyword):
+    x, y = _data(4)
+    dp = _private(_mlp())
+    before = _weights(dp)
+    weights = np.array(weights, np.float32)
+    # sample_weight is fit's 11th argument (after validation_split,
+    # validation_data, shuffle, class_weight) on Keras 2 and 3.
+    with pytest.raises(ValueError, match=r'sample_weight must be finite and '
+                       r'in \[0, 1\].*' + re.escape(shown)):
+        if as_keyword:
+            dp.fit(x, y, batch_size=4, verbose=0, sample_weight=weights)
+        else:
+            dp.fit(x, y, 4, 1, 0, None, 0.0, None, False, None, weights)
+    assert int(dp.optimizer.iterations) == 0
+    _assert_all_close(_weights(dp), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r'class_weight must be finite'):
+        dp.fit(x, y, batch_size=4, verbose=0, class_weight={0: 1.0, 1: 3.0})
 
 
 def test_batch_norm_is_refused():

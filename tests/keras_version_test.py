@@ -19,11 +19,22 @@ _HAS_TF_KERAS = importlib.util.find_spec('tf_keras') is not None
 
 
 def test_detects_the_keras_of_tf_keras():
-    assert _keras.KERAS_MAJOR == markers.KERAS_MAJOR
-    assert _keras.IS_KERAS_3 == (markers.KERAS_MAJOR == 3)
+    # tf.keras is the package `keras` (Keras 2 up to TensorFlow 2.15, Keras 3
+    # after) or `tf_keras` (TF_USE_LEGACY_KERAS=1); the package has the
+    # version.
     package = tf.keras.Model.__module__.split('.')[0]
+    version = sys.modules[package].__version__
+    major = int(version.split('.')[0])
     assert _keras.KERAS_PACKAGE == package
-    assert _keras.KERAS_VERSION == sys.modules[package].__version__
+    assert _keras.KERAS_VERSION == version
+    assert _keras.KERAS_MAJOR == major == markers.KERAS_MAJOR
+    assert _keras.IS_KERAS_3 == (major == 3)
+
+
+def test_has_tf_privacy_is_the_installed_state():
+    assert _keras.has_tf_privacy() == (
+        importlib.util.find_spec('tensorflow_privacy') is not None)
+    assert markers.HAS_TF_PRIVACY == _keras.has_tf_privacy()
 
 
 _OK = dict(tf_version='2.21.0', legacy_requested=False, keras_version='3.15.1',

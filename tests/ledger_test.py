@@ -16,7 +16,7 @@ from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel
-from tf_twice.keras import ledger as ledger_lib
+from tf_twice.accounting import budget as budget_lib
 from tf_twice.keras.ledger import PrivacyLedger
 
 DELTA = 1e-5
@@ -182,7 +182,7 @@ def test_save_and_resume_keeps_privacy_spent(tmp_path):
     with open(path) as f:
         state = json.load(f)
     assert state['steps'] == 5 and state['reserved_steps'] == 0
-    assert state['segments'] == [{'event': ledger_lib.event_to_json(EVENT),
+    assert state['segments'] == [{'event': budget_lib.event_to_json(EVENT),
                                   'count': 5}]
     assert state['delta'] == DELTA
 
@@ -210,7 +210,7 @@ def test_resume_with_other_event_composes_both(tmp_path):
     assert third.epsilon == pytest.approx(expected, rel=1e-12)
     segments = json.load(open(path))['segments']
     assert [s['count'] for s in segments] == [5, 3]
-    assert ledger_lib.event_from_json(segments[1]['event']) == OTHER_EVENT
+    assert budget_lib.event_from_json(segments[1]['event']) == OTHER_EVENT
 
 
 class _Crash(tf.keras.callbacks.Callback):
@@ -268,10 +268,10 @@ def test_atomic_write_survives_crash_mid_write(tmp_path, monkeypatch):
         f.write(json.dumps(obj)[:20])
         raise OSError('disk gone mid-write')
 
-    monkeypatch.setattr(ledger_lib.json, 'dump', dump_then_crash)
+    monkeypatch.setattr(budget_lib.json, 'dump', dump_then_crash)
     with pytest.raises(OSError, match='mid-write'):
         ledger.save(path)
-    monkeypatch.setattr(ledger_lib.json, 'dump', real_dump)
+    monkeypatch.setattr(budget_lib.json, 'dump', real_dump)
     assert open(path).read() == before
     assert os.listdir(tmp_path) == ['ledger.json']  # No temp file left.
     assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 2
@@ -456,16 +456,16 @@ def test_state_path_that_cannot_be_written_is_refused_up_front(
     state = PrivacyLedger(EVENT, DELTA).get_state()
     with pytest.raises(ValueError, match='does not exist'):
         PrivacyLedger.from_state(state, event=EVENT, state_path=missing)
-    real_access = ledger_lib.os.access
+    real_access = budget_lib.os.access
     monkeypatch.setattr(
-        ledger_lib.os, 'access',
+        budget_lib.os, 'access',
         lambda path, mode, **kw: (False if os.fspath(path) == str(tmp_path)
                                   else real_access(path, mode, **kw)))
     with pytest.raises(ValueError, match='not writable'):
         PrivacyLedger(EVENT, DELTA, state_path=str(tmp_path / 'l.json'))
     # Nothing was created on the way.
     assert os.listdir(tmp_path) == []
-    monkeypatch.setattr(ledger_lib.os, 'access', real_access)
+    monkeypatch.setattr(budget_lib.os, 'access', real_access)
     PrivacyLedger(EVENT, DELTA, state_path=str(tmp_path / 'l.json'))
 
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tests import markers
 from tests import tiny_models
+from tf_twice import _keras
 from tf_twice import optimizers
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel
@@ -330,11 +331,13 @@ def test_optimizer_with_a_basis_runs_the_hybrid_step():
 
 
 def _pretend(monkeypatch, keras_version, has_tf_privacy):
-    """Makes tf_twice.optimizers see another stack, with nothing built."""
+    """Makes tf_twice.optimizers see another stack (through tf_twice._keras,
+    where it asks), with nothing built."""
     for name in optimizers.__all__:
         monkeypatch.delitem(optimizers.__dict__, name, raising=False)
-    monkeypatch.setattr(optimizers, '_keras_version', lambda: keras_version)
-    monkeypatch.setattr(optimizers, '_has_tf_privacy', lambda: has_tf_privacy)
+    monkeypatch.setattr(_keras, 'KERAS_VERSION', keras_version)
+    monkeypatch.setattr(_keras, 'KERAS_MAJOR', int(keras_version[0]))
+    monkeypatch.setattr(_keras, 'has_tf_privacy', lambda: has_tf_privacy)
 
 
 _KERAS_2_FIX = 'TF_USE_LEGACY_KERAS=1'

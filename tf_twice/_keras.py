@@ -25,11 +25,14 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ['KERAS_PACKAGE', 'KERAS_VERSION', 'KERAS_MAJOR', 'IS_KERAS_3',
-           'NO_REDUCTION', 'problem', 'is_no_reduction',
-           'steps_per_execution', 'is_legacy_optimizer', 'compiled_metrics',
+           'NO_REDUCTION', 'problem', 'has_tf_privacy', 'is_no_reduction',
+           'steps_per_execution', 'is_legacy_optimizer', 'build_optimizer',
+           'save_legacy_optimizer', 'split_legacy_optimizer',
+           'load_legacy_optimizer', 'compiled_metrics',
            'update_compiled_metrics', 'metric_results', 'state_from_adapt']
 
 _TRUE = ('true', 'True', '1')  # TensorFlow's reading of TF_USE_LEGACY_KERAS.
@@ -160,6 +163,17 @@ KERAS_PACKAGE, KERAS_VERSION = _inspect()
 KERAS_MAJOR = _major_minor(KERAS_VERSION)[0]
 IS_KERAS_3 = KERAS_MAJOR >= 3
 
+def has_tf_privacy() -> bool:
+    """Whether tensorflow-privacy is installed (or already imported); with
+    Keras 2 it makes the DP optimizer classes (``tf_twice.optimizers``)."""
+    if sys.modules.get('tensorflow_privacy') is not None:
+        return True
+    try:
+        return importlib.util.find_spec('tensorflow_privacy') is not None
+    except (ImportError, ValueError):  # A finder refused it.
+        return False
+
+
 # A Keras loss reduction that keeps one value per example: Keras 2's
 # ``Reduction.NONE`` is this string, Keras 3 takes it (or None).
 NO_REDUCTION = 'none'
@@ -189,6 +203,63 @@ def is_legacy_optimizer(optimizer: Any) -> bool:
         return False
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     return isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer)
+
+
+def build_optimizer(optimizer: Any, variables: List[Any]) -> None:
+    """Creates ``optimizer``'s variables (step count, slots) for
+    ``variables``: Keras skips restoring the state of an optimizer that has
+    none yet."""
+    if is_legacy_optimizer(optimizer):
+        optimizer._create_all_weights(variables)  # pylint: disable=protected-access
+    else:
+        optimizer.build(variables)
+
+
+# Keras's .keras format saves only non-legacy optimizers; DPModel saves the
+# variables of a legacy one (the tf_twice DP optimizers, Keras 2) in its own
+# entry under these keys.
+_LEGACY_OPTIMIZER_KEY = 'legacy_optimizer_'
+
+
+def save_legacy_optimizer(optimizer: Any, store: Any) -> None:
+    """Adds a legacy ``optimizer``'s variables to a model's ``store``."""
+    if is_legacy_optimizer(optimizer):
+        for i, variable in enumerate(optimizer.weights):
+            store[f'{_LEGACY_OPTIMIZER_KEY}{i}'] = variable.numpy()
+
+
+def split_legacy_optimizer(store: Any) -> Tuple[Dict[str, Any], List[Any]]:
+    """(the model's own entries, the saved optimizer values in order)."""
+    saved = sorted((k for k in store.keys()
+                    if k.startswith(_LEGACY_OPTIMIZER_KEY)),
+                   key=lambda k: int(k[len(_LEGACY_OPTIMIZER_KEY):]))
+    own = {k: store[k] for k in store.keys()
+           if not k.startswith(_LEGACY_OPTIMIZER_KEY)}
+    return own, [store[k] for k in saved]
+
+
+def load_legacy_optimizer(optimizer: Any, saved: List[Any],
+                          model: Any) -> None:
+    """Restores ``split_legacy_optimizer``'s values into ``optimizer``,
+    creating its state for ``model``'s weights if no step has yet.
+
+    Raises:
+      ValueError: the file holds another number of optimizer variables.
+    """
+    weights = list(optimizer.weights) if is_legacy_optimizer(
+        optimizer) else []
+    if saved and not weights and is_legacy_optimizer(optimizer) \
+            and model.built:
+        build_optimizer(optimizer, model.trainable_variables)
+        weights = list(optimizer.weights)
+    if len(saved) != len(weights):
+        raise ValueError(
+            f'The file holds {len(saved)} optimizer variables, the '
+            f'reloaded optimizer has {len(weights)}: it cannot resume '
+            'the saved optimizer state. Load the weights into a model '
+            'compiled as the saved one was.')
+    for value, variable in zip(saved, weights):
+        variable.assign(value)
 
 
 def compiled_metrics(model: Any) -> List[Any]:

@@ -51,6 +51,7 @@ from typing import Any, Optional, Type
 
 import tensorflow as tf
 
+from tf_twice import _keras
 from tf_twice import _validate
 from tf_twice import config as config_lib
 from tf_twice.mechanism import aggregator as aggregator_lib
@@ -80,35 +81,18 @@ _WITHOUT_TF_PRIVACY = (
     'optimizer class needed.')
 
 
-def _keras_version() -> str:
-    """The version of the Keras that ``tf.keras`` is (keras or tf_keras)."""
-    package = tf.keras.Model.__module__.split('.')[0]
-    return str(getattr(importlib.import_module(package), '__version__', '?'))
-
-
-def _has_tf_privacy() -> bool:
-    """Whether tensorflow-privacy is installed (or already imported)."""
-    if sys.modules.get('tensorflow_privacy') is not None:
-        return True
-    try:
-        return importlib.util.find_spec('tensorflow_privacy') is not None
-    except (ImportError, ValueError):  # A finder refused it.
-        return False
-
-
 def _tf_privacy_import_error(name: str) -> Optional[str]:
     """Why ``name`` cannot be built on this stack; None when it can."""
     problems = []
-    keras_version = _keras_version()
-    if not keras_version.startswith('2.'):
+    if _keras.KERAS_MAJOR != 2:
         problems.append(
             f'it subclasses tensorflow-privacy\'s optimizers, which subclass '
             f'Keras 2 (legacy) optimizers, and this TensorFlow '
-            f'{tf.__version__} runs Keras {keras_version}. Use Keras 2: '
-            f'TensorFlow 2.15, or TensorFlow >= 2.16 with `pip install '
+            f'{tf.__version__} runs Keras {_keras.KERAS_VERSION}. Use Keras '
+            f'2: TensorFlow 2.15, or TensorFlow >= 2.16 with `pip install '
             f'tf-keras` and TF_USE_LEGACY_KERAS=1 set before TensorFlow is '
             f'imported')
-    if not _has_tf_privacy():
+    if not _keras.has_tf_privacy():
         problems.append(
             'tensorflow-privacy is not installed: `pip install '
             '"tf_twice[tf-privacy]"` (Python < 3.12 only: tensorflow-privacy '

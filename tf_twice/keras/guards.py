@@ -1,6 +1,6 @@
 """Guard rails: refuse training setups that silently void the DP guarantee.
 
-DP-SGD's guarantee (and `tf_twice.accounting`'s epsilon) rests on five
+DP-SGD's guarantee (and `tf_twice.accounting`'s epsilon) rests on six
 assumptions the code cannot enforce by itself:
 
 1. each example's gradient depends on that example only: no layer may mix
@@ -16,7 +16,9 @@ assumptions the code cannot enforce by itself:
    the batch and is not covered by the accountant;
 5. the accountant's event is the step that runs: a DP model's event is
    derived from its config (``DPModel.dp_event``), and a ledger with any
-   other event is refused (`check_ledger_event`).
+   other event is refused (`check_ledger_event`);
+6. under a multi-worker strategy every worker takes its own share of the
+   same logical batch, so each example is summed once (`check_sharding`).
 
 Every check raises ValueError naming what is wrong and what to use instead.
 `check_poisson_input` is strict by default: a non-Poisson dataset is refused
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import dp_accounting
 import numpy as np
@@ -37,6 +39,7 @@ import tensorflow as tf
 
 from tf_twice import _keras
 from tf_twice import sampling
+from tf_twice.mechanism import aggregator as aggregator_lib
 
 __all__ = [
     'NonPoissonInputWarning',
@@ -44,7 +47,15 @@ __all__ = [
     'check_no_example_mixing',
     'check_per_example_loss',
     'check_poisson_input',
+    'check_sharding',
 ]
+
+
+# Why a DPModel cannot train or be accounted yet, and the fix.
+NO_MECHANISM = (
+    'has no DP mechanism yet: give it a TwiceSamplingConfig, '
+    'DPModel(model, config), or (Keras 2 with tensorflow-privacy) compile it '
+    'with a tf_twice DP optimizer.')
 
 
 class NonPoissonInputWarning(UserWarning):
@@ -228,6 +239,7 @@ def check_per_example_loss(loss: Any, y_true: Any = None,
 
 def check_poisson_input(dataset: Any, *,
                         example_sampling_rate: Optional[float] = None,
+                        num_examples: Optional[int] = None,
                         strict: bool = True
                         ) -> Optional[sampling.PoissonSamplingInfo]:
     """Checks that training data is Poisson-sampled, as the accountant assumes.
@@ -243,6 +255,8 @@ def check_poisson_input(dataset: Any, *,
       dataset: what will be passed to `fit`.
       example_sampling_rate: if given, the q1 the accountant uses; it must
         match the dataset's (else the epsilon is for another mechanism).
+      num_examples: if given, the n the accountant uses; it must match the
+        dataset's.
       strict: True (default) raises on non-Poisson input; False only warns
         (`NonPoissonInputWarning`), for runs that claim no epsilon.
 
@@ -250,8 +264,8 @@ def check_poisson_input(dataset: Any, *,
       The dataset's `PoissonSamplingInfo`, or None (strict=False only).
 
     Raises:
-      ValueError: non-Poisson input (strict), a q1 mismatch (always), or
-        an argument outside its range.
+      ValueError: non-Poisson input (strict), a q1 or n mismatch (always),
+        or an argument outside its range.
     """
     if not isinstance(strict, bool):
         raise ValueError(f'strict must be True or False; got {strict!r}.')
@@ -282,7 +296,109 @@ def check_poisson_input(dataset: Any, *,
             f'The dataset samples with example_sampling_rate '
             f'{info.example_sampling_rate!r} but the accountant uses '
             f'{example_sampling_rate!r}; they must be equal.')
+    if num_examples is not None and info.num_examples != num_examples:
+        raise ValueError(
+            f'The dataset samples from {info.num_examples} examples but the '
+            f'accountant uses num_examples={num_examples}: the accounted q1 '
+            'and n would not be those of the training.')
     return info
+
+
+# --- distribution -----------------------------------------------------------
+
+
+def check_sharding(strategy: tf.distribute.Strategy, x: Any) -> None:
+    """Refuses input that every worker of a multi-worker strategy reads whole.
+
+    Each logical batch must be split over all replicas of all workers, so
+    that every example is clipped and summed once. With auto-sharding OFF
+    each worker processes every row itself and each example is counted once
+    per worker: W times the sensitivity the accountant assumes.
+    """
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return
+    if isinstance(x, tf.data.Dataset) and (
+            x.options().experimental_distribute.auto_shard_policy
+            == tf.data.experimental.AutoShardPolicy.OFF):
+        raise ValueError(
+            'x has auto_shard_policy OFF under MultiWorkerMirroredStrategy: '
+            'every worker would process every example of a logical batch, '
+            'counting each example once per worker. Keep the default policy '
+            '(AUTO, which splits each logical batch over all replicas), and '
+            'give every worker the same dataset (poisson_batches with the '
+            'same seed).')
+    info = sampling.get_poisson_sampling_info(x)
+    if info is not None and not _same_on_every_replica(
+            strategy, (info.seed, info.start_step)):
+        # Each worker would take its share of a DIFFERENT logical batch: the
+        # union is no Poisson sample and an example may be summed twice.
+        raise ValueError(
+            'The workers\' poisson_batches have different seeds (or '
+            'start_step): each worker would take its slice of a different '
+            'logical batch, so an example could be summed more than once in '
+            'a step. Build the dataset on every worker with the same SECRET '
+            'seed (e.g. drawn once with secrets.randbits(63) and sent to the '
+            'workers over a private channel).')
+
+
+def _same_on_every_replica(strategy: tf.distribute.Strategy,
+                           values: Sequence[int]) -> bool:
+    """Whether the integers ``values`` are equal on every replica."""
+    # 16-bit words are exact in float32.
+    words = tf.constant([[(int(v) >> shift) & 0xFFFF for v in values
+                          for shift in (0, 16, 32, 48)]], tf.float32)
+
+    @tf.function
+    def gather():
+        return strategy.run(lambda: tf.distribute.get_replica_context()
+                            .all_gather(words, axis=0))
+
+    gathered = strategy.experimental_local_results(gather())[0].numpy()
+    return bool((gathered == gathered[:1]).all())
+
+
+# --- the optimizer DPModel is compiled with ---------------------------------
+
+
+def is_dp_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a tf_twice DP optimizer (it carries a
+    ``PrivateAggregator``, the mechanism a DPModel then runs)."""
+    return isinstance(getattr(optimizer, 'aggregator', None),
+                      aggregator_lib.PrivateAggregator)
+
+
+def check_dp_optimizer(optimizer: Any, *, has_config: bool) -> None:
+    """Refuses an optimizer for ``DPModel.compile`` whose steps would not be
+    the one twice-sampled mechanism the model accounts.
+
+    ``has_config``: whether the DPModel has its own config (then the
+    optimizer must be a plain Keras one; without, a tf_twice DP one).
+
+    Raises:
+      ValueError: naming the fix.
+    """
+    name = type(optimizer).__name__
+    if is_dp_optimizer(optimizer):
+        if has_config:
+            raise ValueError(
+                'This DPModel already has its DP mechanism (its config); '
+                'compile it with a plain Keras optimizer, not the DP '
+                f'optimizer {name}, or build it without a config.')
+        microbatches = getattr(optimizer, '_num_microbatches', None)
+        if microbatches is not None:
+            raise ValueError(
+                f'{name} uses num_microbatches={microbatches}: microbatched '
+                'clipping is not covered by the twice-sampling analysis; use '
+                'num_microbatches=None (physical_batch_size splits large '
+                'batches without changing the records).')
+    elif getattr(optimizer, '_was_dp_gradients_called', None) is not None:
+        # tf_privacy's own DP optimizers: another mechanism.
+        raise ValueError(
+            f'{name} is a DP optimizer whose mechanism DPModel cannot run; '
+            'compile with a plain Keras optimizer or a tf_twice DP '
+            'optimizer.')
+    elif not has_config:
+        raise ValueError(f'This DPModel {NO_MECHANISM}')
 
 
 # --- the ledger's event against the mechanism that runs ---------------------
@@ -306,9 +422,7 @@ def check_ledger_event(event: dp_accounting.DpEvent, model: Any) -> None:
     dp_event = getattr(model, 'dp_event', None)
     if callable(dp_event) and hasattr(model, 'aggregator'):
         if model.aggregator is None:
-            raise ValueError(
-                f'{model.name} has no DP mechanism yet: compile it with a '
-                'tf_twice DP optimizer, or give DPModel a config.')
+            raise ValueError(f'{model.name} {NO_MECHANISM}')
         expected = dp_event()
         if event != expected:
             raise ValueError(
@@ -325,3 +439,33 @@ def check_ledger_event(event: dp_accounting.DpEvent, model: Any) -> None:
             'gradients are not isolated. Wrap the model first: '
             'model = tf_twice.keras.DPModel(model), then compile that with '
             'the optimizer.')
+
+
+def check_no_nonprivate_monitor(callbacks: Any, prefix: str) -> None:
+    """Refuses callbacks that act on the noise-free training logs.
+
+    ``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint(
+    save_best_only=True)`` and any callback with a ``monitor`` act on the
+    value they monitor: on a log named ``prefix...`` (the loss and metrics
+    of the private batch without noise) the number of steps, the learning
+    rate or the checkpoint released would be a noise-free function of the
+    private data, which no accountant covers.
+    """
+    if callbacks is None:
+        return
+    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for callback in tf.nest.flatten(callbacks):
+        monitor = getattr(callback, 'monitor', None)
+        if not (isinstance(monitor, str) and monitor.startswith(prefix)):
+            continue
+        if isinstance(callback, tf.keras.callbacks.ModelCheckpoint) and (
+                not getattr(callback, 'save_best_only', False)):
+            continue  # Saves every time: the monitored value is not used.
+        raise ValueError(
+            f'{type(callback).__name__} monitors {monitor!r}, a loss or '
+            'metric of the private batch without noise: its decisions (when '
+            'to stop, the learning rate, which checkpoint to keep) would '
+            'release private information that the PrivacyLedger does not '
+            "account. Monitor 'epsilon' or a metric of PUBLIC validation "
+            'data (validation_data=...), or remove the callback.')

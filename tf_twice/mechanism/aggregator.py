@@ -255,20 +255,43 @@ class StepKeys:
         self._generator.state.assign(tf.constant(values, tf.int64))
         self._positioned.assign(True)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, step: Optional[int] = None) -> None:
         """Writes the SECRET run state to ``path`` (atomically, mode 0600).
 
         Anyone holding this file can recompute the masks and noise of every
         later step and subtract them from released weights: keep it as
         secret as the training data, apart from checkpoints and models,
-        and delete it when the run is done.
+        and delete it when the run is done. ``step`` (the training step the
+        state belongs to) is recorded so that ``load`` can refuse the file
+        at any other step.
         """
-        files.atomic_write_json(os.fspath(path), self.get_state())
+        state = self.get_state()
+        if step is not None:
+            state['step'] = int(step)
+        files.atomic_write_json(os.fspath(path), state)
 
-    def load(self, path: str) -> None:
-        """Continues the stream from a file written by ``save``."""
+    def load(self, path: str, step: Optional[int] = None) -> None:
+        """Continues the stream from a file written by ``save``.
+
+        Raises:
+          ValueError: the file was saved at another ``step`` (e.g. an older
+            file beside a newer checkpoint): the next steps would reuse the
+            keys, i.e. the noise, of steps whose updates are already in the
+            weights, and two releases with the same noise reveal their
+            difference.
+        """
         with open(os.fspath(path)) as f:
-            self.set_state(json.load(f))
+            state = json.load(f)
+        saved = state.get('step') if isinstance(state, dict) else None
+        if saved is not None and step is not None and int(saved) != int(step):
+            raise ValueError(
+                f'The random state in {os.fspath(path)!r} was saved at step '
+                f'{saved}, but this model is at step {int(step)}: its next '
+                'steps would reuse the noise of steps already in the weights. '
+                'Load the checkpoint saved with that state (load_weights '
+                'first, then load_random_state), or leave the state unloaded '
+                '(fresh OS entropy).')
+        self.set_state(state)
 
 
 def _replica_context():

@@ -1,0 +1,473 @@
+"""The privacy ledger's state, without TensorFlow: steps charged, their
+epsilon, and the write-ahead state file.
+
+`PrivacyBudget` composes DP steps in a `TwiceSamplingRdpAccountant` and keeps
+them as segments (one event, a count). `tf_twice.keras.PrivacyLedger` is a
+Keras callback over it; custom loops and other frameworks can use it alone.
+
+Write-ahead: with `state_path`, `reserve_ahead(k)` writes the file BEFORE k
+steps run, charging `save_every_steps` steps ahead (never past the target or
+`max_steps`), and `charge`/`write` write the exact count after. A crash
+therefore over-counts by at most `save_every_steps` steps and never
+under-counts. Writes are atomic (`tf_twice._files.atomic_write_json`), so a
+crash mid-write leaves the previous file. An existing `state_path` is always
+loaded: the privacy spent cannot be reset by a setting, only by choosing a
+new file. Steps of another event (new noise, new q1) are composed with the
+file's, never replace them.
+
+Epsilon after k more steps is RDP arithmetic: RDP composes additively
+(Mironov 2017, arXiv:1702.07476, Prop. 1), so the curve after k more steps
+of `event` is rdp + k * rdp(event), converted with dp_accounting's
+`compute_epsilon` as the accountant itself does.
+
+State file (JSON, `format` 'tf_twice.PrivacyLedger', `version` 1):
+
+    {"format": ..., "version": 1, "delta": float, "orders": [float, ...],
+     "target_epsilon": float or null,
+     "steps": int,            # steps charged, reserved ones included
+     "reserved_steps": int,   # of which charged ahead, not yet confirmed
+     "segments": [{"event": EVENT, "count": int}, ...],
+     "epsilon": float, "optimal_order": float}   # informational
+
+EVENT is `DpEvent.to_named_tuple()` as JSON: {"module_name", "class_name",
+"arguments": {field: value}} with nested events in the same form and
+tuples as lists. On load, `steps`, `epsilon` and `optimal_order` are
+recomputed from the segments; only dp_accounting and tf_twice event
+classes are accepted.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Tuple
+
+import dp_accounting
+import numpy as np
+
+from tf_twice import _files as files
+from tf_twice import _validate
+from tf_twice.accounting import conversion as conversion_lib
+from tf_twice.accounting.accountant import TwiceSamplingRdpAccountant
+
+__all__ = ['PrivacyBudget', 'STATE_FORMAT', 'STATE_VERSION',
+           'check_state_path', 'event_from_json', 'event_to_json']
+
+STATE_FORMAT = 'tf_twice.PrivacyLedger'
+STATE_VERSION = 1
+_EVENT_MODULES = ('dp_accounting', 'tf_twice')
+
+
+# --- event <-> JSON ---------------------------------------------------------
+
+
+def _to_jsonable(value: Any) -> Any:
+    if hasattr(value, '_fields') and {'module_name', 'class_name'} <= set(
+            value._fields):  # An event's named tuple.
+        arguments = {
+            field: _to_jsonable(getattr(value, field))
+            for field in value._fields
+            if field not in ('module_name', 'class_name')
+        }
+        return {'module_name': value.module_name,
+                'class_name': value.class_name, 'arguments': arguments}
+    if isinstance(value, Mapping):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f'Cannot store event field {value!r} '
+                     f'({type(value).__name__}) as JSON.')
+
+
+def event_to_json(event: dp_accounting.DpEvent) -> Dict[str, Any]:
+    """A JSON-ready dict of `event` (via `DpEvent.to_named_tuple`)."""
+    return _to_jsonable(event.to_named_tuple())
+
+
+def _from_jsonable(value: Any) -> Any:
+    if isinstance(value, dict) and 'module_name' in value:
+        module = str(value['module_name'])
+        # from_named_tuple imports the module it names: only event modules.
+        if module.split('.')[0] not in _EVENT_MODULES:
+            raise ValueError(f'Ledger state names event module {module!r}; '
+                             f'only {_EVENT_MODULES} events are accepted.')
+        arguments = {k: _from_jsonable(v)
+                     for k, v in value.get('arguments', {}).items()}
+        wrapper = collections.namedtuple(
+            '_EventTuple', ['module_name', 'class_name', *arguments])
+        return wrapper(module, str(value['class_name']), **arguments)
+    if isinstance(value, list):
+        # Lists stay lists (as in ComposedDpEvent); event classes whose
+        # fields are tuples convert them themselves.
+        return [_from_jsonable(v) for v in value]
+    return value
+
+
+def event_from_json(obj: Mapping[str, Any]) -> dp_accounting.DpEvent:
+    """Inverse of `event_to_json`."""
+    try:
+        return dp_accounting.DpEvent.from_named_tuple(_from_jsonable(obj))
+    except (TypeError, AttributeError, ImportError, KeyError) as e:
+        raise ValueError(f'Ledger state holds an invalid event {obj!r}: '
+                         f'{e}') from e
+
+
+def _event_key(event: dp_accounting.DpEvent) -> str:
+    return json.dumps(event_to_json(event), sort_keys=True)
+
+
+# --- the state file ---------------------------------------------------------
+
+
+def check_state_path(state_path: Any) -> str:
+    """`state_path` as a str, if a ledger can be written there.
+
+    Refused up front, not at the first write (after steps have run): a
+    directory, a file in a missing directory or in one that is not
+    writable.
+    """
+    if not isinstance(state_path, (str, os.PathLike)):
+        raise ValueError('state_path must be None or a file path; got '
+                         f'{state_path!r}.')
+    state_path = os.fspath(state_path)
+    if os.path.isdir(state_path):
+        raise ValueError(f'state_path={state_path!r} is a directory; give a '
+                         'file path, e.g. beside the checkpoints.')
+    directory = os.path.dirname(os.path.abspath(state_path))
+    if not os.path.isdir(directory):
+        raise ValueError(f'state_path={state_path!r}: its directory '
+                         f'{directory!r} does not exist; create it first.')
+    # The atomic write creates a temporary file there and renames it.
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f'state_path={state_path!r}: its directory '
+                         f'{directory!r} is not writable.')
+    return state_path
+
+
+def _read_state(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        # Refuse rather than start from zero: that would reset the budget.
+        raise ValueError(
+            f'Cannot read the privacy ledger at state_path={path!r} ({e}); '
+            'fix or move it deliberately.') from e
+
+
+def _parse_segments(state: Mapping[str, Any]
+                    ) -> List[Tuple[dp_accounting.DpEvent, int]]:
+    if state.get('format') != STATE_FORMAT:
+        raise ValueError(f"state must have format {STATE_FORMAT!r}; got "
+                         f"{state.get('format')!r}.")
+    if state.get('version') != STATE_VERSION:
+        raise ValueError(f'state version must be {STATE_VERSION}; got '
+                         f"{state.get('version')!r}.")
+    segments = []
+    for segment in state.get('segments', []):
+        count = _validate.integer('segment count', segment.get('count'), 0)
+        if count:
+            segments.append((event_from_json(segment['event']), count))
+    return segments
+
+
+def _largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest k in [0, limit] with fits(k), for `fits` true up to some
+    k and false after: doubling, then one bisection (O(log k) calls)."""
+    if limit == 0:
+        return 0
+    low, high = 0, 1  # fits(low) or low == 0; high not yet known.
+    while fits(high):
+        if high == limit:
+            return limit
+        low, high = high, min(2 * high, limit)
+    while high - low > 1:  # fits(low) or low == 0; not fits(high).
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+class PrivacyBudget:
+    """DP steps charged, their epsilon at `delta`, and their state file.
+
+    Args:
+      event: the `DpEvent` of ONE step, normally a
+        `TwiceSampledGaussianDpEvent`; any event the
+        `TwiceSamplingRdpAccountant` supports.
+      delta: in (0, 1).
+      target_epsilon: None or in (0, inf): `can_take` refuses steps that
+        would exceed it.
+      max_steps: None or an integer >= 0: `can_take` refuses steps past
+        that total (loaded steps included).
+      state_path: None or a JSON file, loaded if it exists.
+      save_every_steps: >= 1, how many steps each write-ahead charges.
+      orders: RDP orders; default: the state file's, else the accountant's.
+
+    Raises:
+      ValueError: an argument outside its range, an event the accountant
+        cannot compose, a state_path that cannot be written, or an
+        unreadable state file.
+    """
+
+    def __init__(self,
+                 event: dp_accounting.DpEvent,
+                 delta: float,
+                 *,
+                 target_epsilon: Optional[float] = None,
+                 max_steps: Optional[int] = None,
+                 state_path: Optional[str] = None,
+                 save_every_steps: int = 10,
+                 orders: Optional[Sequence[float]] = None):
+        history = None
+        if state_path is not None:
+            state_path = check_state_path(state_path)
+            if os.path.exists(state_path):
+                history = _read_state(state_path)
+        self._setup(event, delta, target_epsilon=target_epsilon,
+                    max_steps=max_steps, save_every_steps=save_every_steps,
+                    orders=orders, history=history)
+        self._state_path = state_path
+        self.resumed = history is not None  # Loaded from `state_path`.
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], *,
+                   event: Optional[dp_accounting.DpEvent] = None,
+                   delta: Optional[float] = None,
+                   target_epsilon: Optional[float] = None,
+                   max_steps: Optional[int] = None,
+                   state_path: Optional[str] = None,
+                   save_every_steps: int = 10,
+                   orders: Optional[Sequence[float]] = None
+                   ) -> 'PrivacyBudget':
+        """A budget that continues from `state` (a `get_state()` dict).
+
+        `event`, `delta`, `target_epsilon` and `orders` default to the
+        state's (event: its last segment's). `state_path`, if given, must not
+        exist yet: its ledger would be lost otherwise.
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError('state must be a dict from get_state(); got '
+                             f'{type(state).__name__}.')
+        if event is None:
+            segments = _parse_segments(state)
+            if not segments:
+                raise ValueError('event is required: the state has no steps '
+                                 'to take it from.')
+            event = segments[-1][0]
+        if state_path is not None:
+            state_path = check_state_path(state_path)
+            if os.path.exists(state_path):
+                raise ValueError(
+                    f'state_path={state_path!r} already holds a ledger; load '
+                    'it with PrivacyLedger(event, delta, state_path=...) so '
+                    'neither is lost.')
+        budget = cls.__new__(cls)
+        budget._setup(
+            event, state.get('delta') if delta is None else delta,
+            target_epsilon=(state.get('target_epsilon')
+                            if target_epsilon is None else target_epsilon),
+            max_steps=max_steps, save_every_steps=save_every_steps,
+            orders=orders, history=state)
+        budget._state_path = state_path
+        budget._disk_steps = 0  # Nothing on disk yet.
+        budget.resumed = False
+        return budget
+
+    def _setup(self, event, delta, *, target_epsilon, max_steps,
+               save_every_steps, orders, history):
+        if not isinstance(event, dp_accounting.DpEvent):
+            raise ValueError('event must be a dp_accounting DpEvent (one DP '
+                             'step, e.g. TwiceSampledGaussianDpEvent); got '
+                             f'{type(event).__name__}.')
+        self._delta = _validate.probability('delta', delta)
+        self._target = (None if target_epsilon is None else
+                        _validate.positive('target_epsilon', target_epsilon))
+        self._max_steps = (None if max_steps is None else
+                           _validate.integer('max_steps', max_steps, 0))
+        self._save_every = _validate.integer('save_every_steps',
+                                             save_every_steps, 1)
+        segments = []
+        if history is not None:
+            segments = _parse_segments(history)
+            if orders is None and history.get('orders'):
+                orders = history['orders']
+        self._accountant = TwiceSamplingRdpAccountant(orders)
+        if not self._accountant.supports(event):
+            raise ValueError(f'event {event} cannot be composed by '
+                             'TwiceSamplingRdpAccountant (note that '
+                             'TwiceSampledGaussianDpEvent must not be wrapped '
+                             'in PoissonSampledDpEvent).')
+        self._event = event
+        self._event_json = event_to_json(event)  # Fails early if unstorable.
+        self._key = json.dumps(self._event_json, sort_keys=True)
+        step = TwiceSamplingRdpAccountant(self._accountant.orders)
+        self._event_rdp = step.compose(event, 1).rdp  # One step's curve.
+        self._segments: List[List[Any]] = []  # [key, event, count]
+        self._steps = 0
+        for past_event, count in segments:
+            self.compose(past_event, count)
+        self._disk_steps = self._steps  # Steps the state file charges.
+
+    # --- accounting -------------------------------------------------------
+
+    def compose(self, event: dp_accounting.DpEvent, count: int) -> None:
+        """Adds `count` steps of `event` (in memory only)."""
+        self._accountant.compose(event, count)
+        key = self._key if event is self._event else _event_key(event)
+        if self._segments and self._segments[-1][0] == key:
+            self._segments[-1][2] += count
+        else:
+            self._segments.append([key, event, count])
+        self._steps += count
+
+    @property
+    def event(self) -> dp_accounting.DpEvent:
+        """The `DpEvent` of one step of the current run."""
+        return self._event
+
+    @property
+    def delta(self) -> float:
+        return self._delta
+
+    @property
+    def target_epsilon(self) -> Optional[float]:
+        return self._target
+
+    @property
+    def max_steps(self) -> Optional[int]:
+        return self._max_steps
+
+    @property
+    def orders(self) -> np.ndarray:
+        return self._accountant.orders
+
+    @property
+    def state_path(self) -> Optional[str]:
+        return self._state_path
+
+    @property
+    def steps(self) -> int:
+        """Steps charged, including those loaded."""
+        return self._steps
+
+    @property
+    def accountant(self) -> TwiceSamplingRdpAccountant:
+        """A copy of the accountant holding every step charged."""
+        return copy.deepcopy(self._accountant)
+
+    @property
+    def dp_event(self) -> dp_accounting.DpEvent:
+        """The composed `DpEvent` of every step charged."""
+        return self._accountant.ledger
+
+    def _epsilon_and_order_after(self,
+                                 extra_steps: int) -> Tuple[float, float]:
+        rdp = self._accountant.rdp
+        if extra_steps:  # 0 * inf would be nan.
+            rdp = rdp + extra_steps * self._event_rdp
+        return conversion_lib.rdp_to_epsilon(self._accountant.orders, rdp,
+                                             self._delta)
+
+    def get_epsilon_and_optimal_order(self) -> Tuple[float, float]:
+        return self._epsilon_and_order_after(0)
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon at `delta` for every step charged."""
+        return self._epsilon_and_order_after(0)[0]
+
+    def epsilon_after(self, extra_steps: int) -> float:
+        """Epsilon if `extra_steps` more steps of `event` were charged."""
+        extra_steps = _validate.integer('extra_steps', extra_steps, 0)
+        return self._epsilon_and_order_after(extra_steps)[0]
+
+    def can_take(self, extra_steps: int = 1) -> bool:
+        """Whether `extra_steps` more steps stay within `max_steps` and keep
+        epsilon <= target_epsilon."""
+        if self._max_steps is not None and (
+                self._steps + extra_steps > self._max_steps):
+            return False
+        return self._target is None or (
+            self.epsilon_after(extra_steps) <= self._target)
+
+    def remaining_steps(self, limit: int = 10**9) -> Optional[int]:
+        """Most further steps within the target and `max_steps` (capped at
+        `limit`); None when there is neither."""
+        limit = _validate.integer('limit', limit, 0)
+        if self._max_steps is not None:
+            limit = min(limit, max(0, self._max_steps - self._steps))
+        if self._target is None:
+            return None if self._max_steps is None else limit
+        return _largest_fitting(self.can_take, limit)
+
+    # --- the state file ---------------------------------------------------
+
+    def get_state(self, reserve: int = 0) -> Dict[str, Any]:
+        """The state as a JSON-ready dict (format in the module docstring),
+        with `reserve` steps of `event` charged ahead."""
+        segments = [{'event': json.loads(key), 'count': count}
+                    for key, _, count in self._segments]
+        if reserve:
+            if self._segments and self._segments[-1][0] == self._key:
+                segments[-1]['count'] += reserve
+            else:
+                segments.append({'event': self._event_json, 'count': reserve})
+        eps, order = self._epsilon_and_order_after(reserve)
+        return {
+            'format': STATE_FORMAT,
+            'version': STATE_VERSION,
+            'delta': self._delta,
+            'orders': [float(o) for o in self._accountant.orders],
+            'target_epsilon': self._target,
+            'steps': self._steps + reserve,
+            'reserved_steps': reserve,
+            'segments': segments,
+            'epsilon': float(eps),
+            'optimal_order': float(order),
+        }
+
+    def _write(self, reserve: int) -> None:
+        files.atomic_write_json(self._state_path, self.get_state(reserve))
+        self._disk_steps = self._steps + reserve
+
+    def save(self, path: Optional[str] = None) -> None:
+        """Writes the exact state atomically to `path` (or `state_path`)."""
+        path = self._state_path if path is None else os.fspath(path)
+        if path is None:
+            raise ValueError('path is required when the ledger has no '
+                             'state_path.')
+        files.atomic_write_json(path, self.get_state())
+        if path == self._state_path:
+            self._disk_steps = self._steps
+
+    def reserve_ahead(self, steps: int) -> None:
+        """Before `steps` steps run: unless the file already covers them,
+        writes it charging `save_every_steps` (at least `steps`) ahead,
+        capped by the target and `max_steps`, never below `steps`."""
+        if self._state_path is None or (
+                self._steps + steps <= self._disk_steps):
+            return
+        reserve = max(steps, self._save_every)
+        room = self.remaining_steps(limit=reserve)
+        if room is not None:
+            reserve = max(steps, room)  # The file never charges past them.
+        self._write(reserve)
+
+    def charge(self, count: int) -> None:
+        """Charges `count` >= 1 steps of `event` that ran; the file is
+        written when more ran than it charges."""
+        self.compose(self._event, _validate.integer('count', count, 1))
+        if self._state_path is not None and self._steps > self._disk_steps:
+            self._write(reserve=0)
+
+    def write(self) -> None:
+        """Writes the exact count to `state_path` (if any)."""
+        if self._state_path is not None:
+            self._write(reserve=0)
