@@ -17,10 +17,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_twice import _keras
 from tf_twice._validate import integer as _check_int
 from tf_twice.hybrid.learning import group_matrices
 from tf_twice.hybrid.learning import learn_basis
+from tf_twice.keras import per_example
 from tf_twice.mechanism.basis import HybridBasis
 
 __all__ = [
@@ -28,18 +28,6 @@ __all__ = [
     'public_gradient_matrices',
     'public_per_example_gradients',
 ]
-
-
-def _per_example_loss(loss) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
-    if isinstance(loss, tf.keras.losses.Loss):
-        config = loss.get_config()
-        config['reduction'] = _keras.NO_REDUCTION
-        return type(loss).from_config(config)
-    if callable(loss):
-        return loss
-    raise ValueError(
-        'per_example_loss must be a callable (y_true, y_pred) -> per-example '
-        f'losses or a tf.keras.losses.Loss; got {loss!r}.')
 
 
 def public_per_example_gradients(
@@ -60,9 +48,10 @@ def public_per_example_gradients(
         ``model.trainable_variables`` (their order is the variable order of
         the basis). Per-example gradients need no BatchNorm (use
         GroupNorm/LayerNorm).
-      per_example_loss: (y_true, y_pred) -> [B] losses, or a Keras ``Loss``
-        (its reduction is set to none). The model's regularisation losses are
-        added to every example, as in the DP step.
+      per_example_loss: a Keras ``Loss``, a loss name, or (y_true, y_pred)
+        -> per-example losses, read as the DP step reads it
+        (``tf_twice.keras.per_example.loss_fn``). The model's regularisation
+        losses are added to every example, as in the DP step.
       x, y: public inputs and labels (x may be a nest of arrays).
       batch_size: examples per vectorised chunk, >= 1.
       training: the ``training`` flag of the forward pass.
@@ -71,33 +60,21 @@ def public_per_example_gradients(
       One float32 array [n, *shape_v] per trainable variable.
     """
     batch_size = _check_int('batch_size', batch_size, 1)
-    loss_fn = _per_example_loss(per_example_loss)
+    loss_fn = per_example.loss_fn(per_example_loss)
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.convert_to_tensor(y)
     n = int(y.shape[0])
     if not model.built:
-        model(tf.nest.map_structure(lambda t: t[:1], x), training=False)
+        per_example.build(model, x)
     variables = model.trainable_variables
     if not variables:
         raise ValueError('model has no trainable variables.')
 
     @tf.function
     def chunk_gradients(xc, yc):
-        def one_example(args):
-            xi, yi = args
-            xi = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), xi)
-            with tf.GradientTape() as tape:
-                prediction = model(xi, training=training)
-                loss = tf.reduce_sum(loss_fn(tf.expand_dims(yi, 0),
-                                             prediction))
-                if model.losses:
-                    loss += tf.cast(tf.add_n(model.losses), loss.dtype)
-            grads = tape.gradient(
-                loss, variables,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [tf.convert_to_tensor(g) for g in grads]
-
-        return tf.vectorized_map(one_example, (xc, yc))
+        # The DP step's own per-example losses and gradients.
+        return per_example.gradients(model, loss_fn, xc, yc,
+                                     training=training).gradients
 
     chunks = [[] for _ in variables]
     for start in range(0, n, batch_size):
