@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tests import markers
+from tests import reference
 from tests import tiny_models
 from tf_twice import _keras
 from tf_twice import optimizers
@@ -94,30 +95,6 @@ def test_matches_tf_privacy_vectorized_without_noise():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _softmax_per_example_grads(w, b, x, y):
-    logits = x @ w + b
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    delta = p - np.eye(NUM_CLASSES)[y]
-    return [x[:, :, None] * delta[:, None, :], delta]
-
-
-def numpy_step(w, b, x, y, weights, masks, noise, c2, c_inf, z, exp_batch,
-               q2, lr):
-    """The whole DP-SGD step for softmax regression, in numpy."""
-    grads = _softmax_per_example_grads(w, b, x, y)
-    flat = np.concatenate([g.reshape(len(x), -1) for g in grads], axis=1)
-    norms = np.linalg.norm(flat, axis=1)
-    flat = flat * np.minimum(1.0, c2 / norms)[:, None]
-    if c_inf is not None:
-        flat = np.clip(flat, -c_inf, c_inf)
-    m = np.concatenate([k.reshape(len(x), -1) for k in masks], axis=1)
-    total = (weights[:, None] * m * flat).sum(0)
-    total += z * c2 * np.concatenate([e.reshape(-1) for e in noise])
-    update = total / (exp_batch * q2)
-    return w - lr * update[:w.size].reshape(w.shape), b - lr * update[w.size:]
-
-
 @markers.needs_tf_privacy_optimizers
 def test_whole_step_matches_numpy_reference():
     x, y = _data(seed=1)
@@ -137,8 +114,9 @@ def test_whole_step_matches_numpy_reference():
     noise = [e.numpy() for e in randomness.standard_normal_noise(
         key, shapes, [tf.float32] * 2)]
     w1, b1 = _one_step(model, opt, x, y, fix_key=True)
-    w_ref, b_ref = numpy_step(w0, b0, x, y, np.ones(BATCH), masks, noise, c2,
-                              c_inf, z, exp_batch, q2, lr)
+    w_ref, b_ref = reference.softmax_regression_step(
+        w0, b0, x, y, np.ones(BATCH), masks, noise, c2=c2, c_inf=c_inf, z=z,
+        expected_batch_size=exp_batch, q2=q2, lr=lr)
     np.testing.assert_allclose(w1, w_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(b1, b_ref, rtol=1e-5, atol=1e-6)
 
@@ -303,7 +281,7 @@ def test_optimizer_with_a_basis_runs_the_hybrid_step():
     model = _linear()
     x, y = _data()
     w, b = [v.numpy() for v in model.trainable_variables]
-    grads = _softmax_per_example_grads(w, b, x, y)
+    grads = reference.softmax_regression_gradients(w, b, x, y)
     basis = learning.learn_basis([g.astype(np.float32) for g in grads],
                                  [2], groups=2)
     config = TwiceSamplingConfig(

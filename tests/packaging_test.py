@@ -6,15 +6,14 @@ imports at module level must be a core dependency.
 """
 
 import ast
-import pathlib
 import subprocess
 import sys
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from tests.paths import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Import name -> distribution name, for the modules tf_twice imports.
 DISTRIBUTIONS = {

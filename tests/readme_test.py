@@ -2,12 +2,12 @@
 
 import contextlib
 import io
-import pathlib
 import re
 
 import pytest
+from tests.paths import ROOT
 
-README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
+README = ROOT / 'README.md'
 BLOCKS = re.findall(r'```python\n(.*?)```', README.read_text(), re.S)
 
 

@@ -2,7 +2,6 @@
 
 import math
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -11,9 +10,9 @@ import pytest
 from examples import twice_sampling_map as tsm
 import tf_twice
 from tf_twice import accounting
+from tests.paths import ROOT
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-_SCRIPT = _ROOT / 'examples' / 'twice_sampling_map.py'
+_SCRIPT = ROOT / 'examples' / 'twice_sampling_map.py'
 
 DELTA = 1e-5
 D0 = 100.0
@@ -109,7 +108,7 @@ def test_unreachable_target_is_nan():
 
 
 def test_script_writes_csv_and_maps(tmp_path, cells):
-    env = dict(os.environ, PYTHONPATH=str(_ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(
         [sys.executable, str(_SCRIPT), f'--output_dir={tmp_path}',
          '--sampling_rates=0.005,0.1', '--steps=100,3000', '--epsilons=3',
@@ -136,7 +135,7 @@ def test_script_writes_csv_and_maps(tmp_path, cells):
 @pytest.mark.parametrize('flag', ['--coordinate_sampling_rates=1',
                                   '--steps=0', '--d0=0.5'])
 def test_bad_flags_are_refused(tmp_path, flag):
-    env = dict(os.environ, PYTHONPATH=str(_ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(
         [sys.executable, str(_SCRIPT), f'--output_dir={tmp_path}', flag],
         capture_output=True, text=True, env=env, timeout=120, check=False)

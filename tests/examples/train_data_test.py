@@ -16,9 +16,9 @@ from examples import train as train_script
 from examples.training import data as data_lib
 from examples.training import runner
 from examples.training import settings
-from tests.train_helpers import FAST
-from tests.train_helpers import check_private
-from tests.train_helpers import tiny_fashion_mnist
+from tests.examples.train_helpers import FAST
+from tests.examples.train_helpers import check_private
+from tests.examples.train_helpers import tiny_fashion_mnist
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 

@@ -19,8 +19,8 @@ from examples.training import data as data_lib
 from examples.training import modeling
 from examples.training import resume
 from examples.training import runner
-from tests.train_helpers import FAST
-from tests.train_helpers import HYBRID
+from tests.examples.train_helpers import FAST
+from tests.examples.train_helpers import HYBRID
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

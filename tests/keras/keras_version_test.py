@@ -12,8 +12,8 @@ import tensorflow as tf
 
 from tests import markers
 from tf_twice import _keras
+from tests.paths import ROOT
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TF_MM = '.'.join(tf.__version__.split('.')[:2])
 _HAS_TF_KERAS = importlib.util.find_spec('tf_keras') is not None
 
@@ -89,7 +89,7 @@ def test_configured_backend_reads_the_variable_then_keras_json(tmp_path):
 def _import_in_subprocess(module: str, **env) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items()
                if k not in ('KERAS_BACKEND', 'TF_USE_LEGACY_KERAS')}
-    environ.update(env, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL='3')
+    environ.update(env, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='3')
     return subprocess.run(
         [sys.executable, '-c', f'import {module}; print("imported")'],
         env=environ, capture_output=True, text=True, timeout=300, check=False)

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tests import markers
+from tests import reference
 from tests import tiny_models
 
 from tf_twice import optimizers
@@ -113,24 +114,6 @@ def test_train_on_batch_is_refused():
         dp.train_on_batch(*_data(4))
 
 
-def _numpy_step(w, b, x, y, weights, masks, noise, c2, c_inf, z, exp_batch,
-                q2, lr):
-    """The whole DP-SGD step for softmax regression, in numpy."""
-    logits = x @ w + b
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    delta = p - np.eye(NUM_CLASSES)[y]
-    grads = [x[:, :, None] * delta[:, None, :], delta]
-    flat = np.concatenate([g.reshape(len(x), -1) for g in grads], axis=1)
-    flat = flat * np.minimum(1.0, c2 / np.linalg.norm(flat, axis=1))[:, None]
-    flat = np.clip(flat, -c_inf, c_inf)
-    m = np.concatenate([k.reshape(len(x), -1) for k in masks], axis=1)
-    total = (weights[:, None] * m * flat).sum(0)
-    total += z * c2 * np.concatenate([e.reshape(-1) for e in noise])
-    update = total / (exp_batch * q2)
-    return w - lr * update[:w.size].reshape(w.shape), b - lr * update[w.size:]
-
-
 def test_whole_step_matches_numpy_reference():
     x, y = _data(7, seed=3)
     weights = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)
@@ -143,8 +126,9 @@ def test_whole_step_matches_numpy_reference():
     noise = [e.numpy() for e in randomness.standard_normal_noise(
         key, shapes, [tf.float32] * 2)]
     tiny_models.one_step(dp, x, y, sample_weight=weights)
-    want = _numpy_step(w0, b0, x, y, weights, masks, noise, 0.6, 0.15, 1.0,
-                       6.0, 0.5, 0.3)
+    want = reference.softmax_regression_step(
+        w0, b0, x, y, weights, masks, noise, c2=0.6, c_inf=0.15, z=1.0,
+        expected_batch_size=6.0, q2=0.5, lr=0.3)
     _assert_all_close(_weights(dp), want)
 
 

@@ -15,8 +15,8 @@ from tf_twice.accounting import budget as budget_lib
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting.budget import PrivacyBudget
+from tests.paths import ROOT
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DELTA = 1e-5
 EVENT = TwiceSampledGaussianDpEvent(
     example_sampling_rate=0.25, coordinate_sampling_rate=0.5,
@@ -50,7 +50,7 @@ b.write()
 print(b.remaining_steps() > 0, budget.PrivacyBudget(
     b.event, 1e-5, state_path=b.state_path).steps)
 '''
-    result = subprocess.run([sys.executable, '-c', code], cwd=_ROOT,
+    result = subprocess.run([sys.executable, '-c', code], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ['True', '1']

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import reference
 from tf_twice import config as config_lib
 from tf_twice import mechanism
 from tf_twice.config import Block, TwiceSamplingConfig
@@ -22,24 +23,12 @@ def _grads(batch, seed=0, scale=1.0):
 
 
 def _reference(grads, weights, masks, noise, c2, c_inf, z, exp_batch, q2):
-    """Numpy version of the whole aggregation for one logical batch."""
-    batch = grads[0].shape[0]
-    flat = np.concatenate([g.reshape(batch, -1) for g in grads], axis=1)
-    flat = flat.astype(np.float64)
-    norms = np.linalg.norm(flat, axis=1)
-    flat = flat * np.minimum(1.0, c2 / np.maximum(norms, 1e-300))[:, None]
-    if c_inf is not None:
-        flat = np.clip(flat, -c_inf, c_inf)
-    m = np.concatenate([mk.reshape(batch, -1) for mk in masks], axis=1)
-    total = (weights[:, None] * m * flat).sum(axis=0)
-    total += z * c2 * np.concatenate([e.reshape(-1) for e in noise])
-    total /= exp_batch * q2
-    out, start = [], 0
-    for s in SHAPES:
-        size = int(np.prod(s))
-        out.append(total[start:start + size].reshape(s))
-        start += size
-    return out
+    """The shared numpy reference, one array per variable of SHAPES."""
+    return reference.unflatten(
+        reference.private_update(grads, weights, masks, noise, c2=c2,
+                                 c_inf=c_inf, z=z,
+                                 expected_batch_size=exp_batch, q2=q2),
+        SHAPES)
 
 
 def test_matches_numpy_reference():

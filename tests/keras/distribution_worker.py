@@ -2,11 +2,11 @@
 
 A separate process, used by ``distribution_test``:
 
-* ``python -m tests.distribution_worker 0,1`` (or ``2``, ``4``):
+* ``python -m tests.keras.distribution_worker 0,1`` (or ``2``, ``4``):
   MirroredStrategy on R logical CPUs (0: no strategy). Logical devices must
   be configured before TensorFlow initialises its devices, which the test
   process has already done.
-* ``python -m tests.distribution_worker multi_worker INDEX PORT0 PORT1``:
+* ``python -m tests.keras.distribution_worker multi_worker INDEX PORT0 PORT1``:
   worker INDEX of a two-worker MultiWorkerMirroredStrategy on loopback.
 """
 

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from tests import markers
+from tests.paths import ROOT
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One MirroredStrategy per process; the processes run side by side.
 _GROUPS = ['0,1', '2', '4']
 PATHS = ['model', pytest.param('optimizer',
@@ -49,11 +49,11 @@ def _result(run, timeout=600):
 
 
 def _start(*args):
-    env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
     env.pop('TF_CONFIG', None)
     return subprocess.Popen(
-        [sys.executable, '-m', 'tests.distribution_worker', *args],
-        cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, '-m', 'tests.keras.distribution_worker', *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
 
 

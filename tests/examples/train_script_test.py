@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -28,13 +27,14 @@ from examples.training import data as data_lib
 from examples.training import modeling
 from examples.training import runner
 from examples.training import settings
-from tests.train_helpers import FAST
-from tests.train_helpers import HYBRID
-from tests.train_helpers import check_private
-from tests.train_helpers import tiny_fashion_mnist
+from tests.examples.train_helpers import FAST
+from tests.examples.train_helpers import HYBRID
+from tests.examples.train_helpers import check_private
+from tests.examples.train_helpers import tiny_fashion_mnist
+from tests.paths import ROOT
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-_SCRIPT = (pathlib.Path(__file__).resolve().parents[1] / 'examples' /
+_SCRIPT = (ROOT / 'examples' /
            'train.py')
 
 

@@ -1,0 +1,1 @@
+"""Tests of tf_twice: folders mirror the package; shared helpers at this level."""
