@@ -17,11 +17,12 @@ def data(batch, seed=0):
     return x, y
 
 
-def mlp(seed=0):
-    """A two-layer tanh network; d = 20 + 5 + 15 + 3 = 43 parameters."""
+def mlp(seed=0, width=5):
+    """A two-layer tanh network; d = 8 width + 3 parameters (43 for the
+    default width 5)."""
     tf.keras.utils.set_random_seed(seed)
     return tf.keras.Sequential([
-        tf.keras.layers.Dense(5, activation='tanh',
+        tf.keras.layers.Dense(width, activation='tanh',
                               input_shape=(NUM_FEATURES,)),
         tf.keras.layers.Dense(NUM_CLASSES),
     ])

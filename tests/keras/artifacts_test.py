@@ -33,6 +33,16 @@ CONFIG = TwiceSamplingConfig.single(
     num_examples=100, expected_batch_size=4.0, l2_norm_clip=0.5,
     noise_multiplier=1.0, linf_norm_clip=0.2, coordinate_sampling_rate=0.5)
 SEED = 1234
+# Noise vectors of d = 8 * 100 + 3 = 803 coordinates: two independent ones
+# have correlation about N(0, 1/d), so the tests' bound |r| < 0.5 is 14
+# standard deviations away (no false alarm), while replayed noise gives 1.
+_WIDTH = 100
+
+
+def _mlp():
+    return tiny_models.mlp(width=_WIDTH)
+
+
 _EMPTY = (np.zeros((0, tiny_models.NUM_FEATURES), np.float32),
           np.zeros((0,), np.int64))
 
@@ -44,11 +54,11 @@ def _loss():
 def _dp_model(seed=None, path='model', momentum=0.0):
     # Momentum would carry earlier noise into the measured update.
     if path == 'model':
-        dp = DPModel(tiny_models.mlp(), CONFIG, physical_batch_size=4,
+        dp = DPModel(_mlp(), CONFIG, physical_batch_size=4,
                      seed=seed)
         dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
     else:
-        dp = DPModel(tiny_models.mlp(), physical_batch_size=4)
+        dp = DPModel(_mlp(), physical_batch_size=4)
         dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
             CONFIG, learning_rate=1.0, momentum=momentum, seed=seed),
                    loss=_loss())
@@ -204,14 +214,14 @@ def test_forks_that_load_before_compile_share_no_noise(tmp_path, path):
     forks = []
     for _ in range(2):
         if path == 'model':
-            fork = DPModel(tiny_models.mlp(), CONFIG, physical_batch_size=4,
+            fork = DPModel(_mlp(), CONFIG, physical_batch_size=4,
                            seed=SEED)
             fork(_EMPTY[0])
             fork.load_weights(weights)
             fork.compile(optimizer=tf.keras.optimizers.SGD(1.0),
                          loss=_loss())
         else:
-            fork = DPModel(tiny_models.mlp(), physical_batch_size=4)
+            fork = DPModel(_mlp(), physical_batch_size=4)
             fork(_EMPTY[0])
             fork.load_weights(weights)
             fork.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
@@ -289,7 +299,7 @@ def test_copies_of_a_dp_optimizer_draw_independent_noise():
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(CONFIG, learning_rate=1.0)
     noises = []
     for copy_ in (opt, copy.deepcopy(opt)):
-        dp = DPModel(tiny_models.mlp(), physical_batch_size=4)
+        dp = DPModel(_mlp(), physical_batch_size=4)
         dp.compile(optimizer=copy_, loss=_loss())
         noises.append(_noise_of_next_step(dp))
     assert abs(np.corrcoef(noises[0], noises[1])[0, 1]) < 0.5
