@@ -1,4 +1,5 @@
-"""The one numpy reference of a twice-sampling DP step, shared by the tests.
+"""The numpy references shared by the tests: one twice-sampling DP step, and
+the hybrid basis as dense matrices.
 
 Written from the paper's algorithm (and SPEC section 2), not from the
 TensorFlow code: per-example l2 clip to c2, optional l-infinity clip to
@@ -7,6 +8,7 @@ z * c2 added once, division by expected_batch_size * q2. In float64, so
 that a match with the float32 TensorFlow step tests the TensorFlow step.
 """
 
+import math
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -72,3 +74,23 @@ def softmax_regression_step(w, b, x, y, weights, masks, noise, *, c2, c_inf,
         q2=q2)
     new_w, new_b = unflatten(update, [w.shape, b.shape])
     return w - lr * new_w, b - lr * new_b
+
+
+def dense_principal_blocks(basis) -> List[np.ndarray]:
+    """Principal block j of a block-diagonal ``HybridBasis`` as one dense
+    [d, r_j] float64 matrix (rows in natural variable order), for each j."""
+    offsets = np.cumsum([0] + [math.prod(s) for s in basis.variable_shapes])
+    blocks = []
+    for j in range(basis.num_principal_blocks):
+        columns = []
+        for g, group in enumerate(basis.groups):
+            u = basis.block(g, j).numpy().astype(np.float64)
+            full = np.zeros((basis.dim, u.shape[1]))
+            row = 0
+            for v in group:
+                size = offsets[v + 1] - offsets[v]
+                full[offsets[v]:offsets[v + 1]] = u[row:row + size]
+                row += size
+            columns.append(full)
+        blocks.append(np.concatenate(columns, axis=1))
+    return blocks

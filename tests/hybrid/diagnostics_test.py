@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from tests import reference
 from tf_twice.hybrid import diagnostics
 from tf_twice.hybrid import learning
 
@@ -38,25 +39,6 @@ def basis():
                                 groups=GROUPS, seed=1)
 
 
-def _dense_blocks(basis):
-    """Block j of the block-diagonal basis as a dense [d, r_j] matrix."""
-    offsets = np.cumsum([0] + [math.prod(s) for s in SHAPES])
-    out = []
-    for j in range(basis.num_principal_blocks):
-        columns = []
-        for g, group in enumerate(basis.groups):
-            u = basis.block(g, j).numpy().astype(np.float64)
-            full = np.zeros((D, u.shape[1]))
-            row = 0
-            for v in group:
-                size = offsets[v + 1] - offsets[v]
-                full[offsets[v]:offsets[v + 1]] = u[row:row + size]
-                row += size
-            columns.append(full)
-        out.append(np.concatenate(columns, axis=1))
-    return out
-
-
 def test_matches_direct_numpy(basis):
     flat = _flat(30, seed=2)
     top_s = (0, 5, 50, D)
@@ -74,7 +56,7 @@ def test_matches_direct_numpy(basis):
             assert math.isclose(got.sparsified_residual_norm[i, c],
                                 np.linalg.norm(kept), rel_tol=1e-9,
                                 abs_tol=1e-12)
-    dense = _dense_blocks(basis)
+    dense = reference.dense_principal_blocks(basis)
     expected_blocks = np.stack([np.linalg.norm(x @ u, axis=1) for u in dense],
                                axis=1)
     np.testing.assert_allclose(got.block_norms, expected_blocks, rtol=1e-5)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import reference
 from tf_twice.hybrid import budgets
 from tf_twice.hybrid import learning
 from tf_twice.keras import basis_refresh
@@ -51,25 +52,6 @@ def _gram_error(u):
     return np.max(np.abs(u.T @ u - np.eye(u.shape[1])))
 
 
-def _dense(basis):
-    """The block-diagonal basis as one dense [d, k] matrix per block."""
-    offsets = np.cumsum([0] + [math.prod(s) for s in basis.variable_shapes])
-    blocks = []
-    for j in range(basis.num_principal_blocks):
-        columns = []
-        for g, group in enumerate(basis.groups):
-            u = basis.block(g, j).numpy().astype(np.float64)
-            full = np.zeros((basis.dim, u.shape[1]))
-            row = 0
-            for v in group:
-                size = offsets[v + 1] - offsets[v]
-                full[offsets[v]:offsets[v + 1]] = u[row:row + size]
-                row += size
-            columns.append(full)
-        blocks.append(np.concatenate(columns, axis=1))
-    return blocks
-
-
 @pytest.fixture(scope='module')
 def grouped_basis():
     return learning.learn_basis(_per_variable(40, rank=12), [3, 5, 4],
@@ -86,7 +68,7 @@ def test_blocks_orthonormal_and_mutually_orthogonal(grouped_basis):
         assert _gram_error(basis.group_matrices[g].numpy()) < 1e-5
         u0, u1 = basis.block(g, 0).numpy(), basis.block(g, 1).numpy()
         assert np.max(np.abs(u0.T.astype(np.float64) @ u1)) < 1e-5
-    full = np.concatenate(_dense(basis), axis=1)
+    full = np.concatenate(reference.dense_principal_blocks(basis), axis=1)
     assert full.shape == (220, 12)
     assert _gram_error(full) < 1e-5
 
@@ -112,14 +94,14 @@ def test_matches_paper_algorithm_with_explicit_deflation():
 
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0]))
     m = matrix.astype(np.float64)
-    reference = []
+    by_hand = []
     for r in ranks:
         u = rng.standard_normal((m.shape[1], r))
         for _ in range(iterations):
             u, _ = np.linalg.qr(m.T @ (m @ u))
         m = m - (m @ u) @ u.T  # deflation, as in the paper
-        reference.append(u)
-    for j, u in enumerate(reference):
+        by_hand.append(u)
+    for j, u in enumerate(by_hand):
         assert _distance(basis.block(0, j).numpy(), u) < 1e-4
     assert _distance(basis.block(0, 0).numpy(), v[:, :4]) > 1e-2
 
@@ -179,7 +161,7 @@ def test_decompose_compose_per_variable(grouped_basis):
         np.testing.assert_allclose(b.numpy(), g, atol=1e-5)
     # Coefficients match the dense block-diagonal basis in natural order.
     flat = np.concatenate([g.reshape(5, -1) for g in grads], axis=1)
-    for j, dense in enumerate(_dense(basis)):
+    for j, dense in enumerate(reference.dense_principal_blocks(basis)):
         got = np.concatenate([c.numpy() for c in projection.coefficients[j]],
                              axis=1)
         np.testing.assert_allclose(got, flat @ dense, atol=1e-4)
@@ -379,7 +361,7 @@ def test_public_block_norms_match_numpy(grouped_basis):
         if clip is not None:
             norms = np.linalg.norm(flat, axis=1, keepdims=True)
             x = flat * np.minimum(1.0, clip / norms)
-        dense = _dense(basis)
+        dense = reference.dense_principal_blocks(basis)
         expected = [np.mean(np.linalg.norm(x @ u, axis=1)) for u in dense]
         everything = np.concatenate(dense, axis=1)
         left = x - (x @ everything) @ everything.T
