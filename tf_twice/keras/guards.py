@@ -441,6 +441,16 @@ def check_ledger_event(event: dp_accounting.DpEvent, model: Any) -> None:
             'the optimizer.')
 
 
+def fit_callbacks(callbacks: Any) -> list:
+    """`fit`'s ``callbacks`` argument (None, a list, a nest or a
+    ``CallbackList``) as a flat list of callbacks."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return tf.nest.flatten(callbacks)
+
+
 def check_no_nonprivate_monitor(callbacks: Any, prefix: str) -> None:
     """Refuses callbacks that act on the noise-free training logs.
 
@@ -451,11 +461,7 @@ def check_no_nonprivate_monitor(callbacks: Any, prefix: str) -> None:
     rate or the checkpoint released would be a noise-free function of the
     private data, which no accountant covers.
     """
-    if callbacks is None:
-        return
-    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    for callback in tf.nest.flatten(callbacks):
+    for callback in fit_callbacks(callbacks):
         monitor = getattr(callback, 'monitor', None)
         if not (isinstance(monitor, str) and monitor.startswith(prefix)):
             continue

@@ -80,11 +80,7 @@ _LOGGER = logging.getLogger(__name__)
 
 def ledgers_in(callbacks: Any) -> List['PrivacyLedger']:
     """The `PrivacyLedger`s among `fit`'s callbacks (list or CallbackList)."""
-    if callbacks is None:
-        return []
-    if isinstance(callbacks, tf.keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    return [c for c in tf.nest.flatten(callbacks)
+    return [c for c in guards.fit_callbacks(callbacks)
             if isinstance(c, PrivacyLedger)]
 
 
