@@ -314,6 +314,9 @@ class PrivacyBudget:
         for past_event, count in segments:
             self.compose(past_event, count)
         self._disk_steps = self._steps  # Steps the state file charges.
+        # Steps reserve_ahead announced that have not been charged yet: they
+        # may be running, so no write may charge less than them.
+        self._running = 0
 
     # --- accounting -------------------------------------------------------
 
@@ -321,6 +324,10 @@ class PrivacyBudget:
         """Adds `count` steps of `event` (in memory only)."""
         self._accountant.compose(event, count)
         key = self._key if event is self._event else _event_key(event)
+        if key != self._key:
+            # The file's segments lack this event: the next charge or
+            # reserve_ahead must write, whatever the step counts say.
+            self._disk_steps = -1
         if self._segments and self._segments[-1][0] == key:
             self._segments[-1][2] += count
         else:
@@ -434,23 +441,27 @@ class PrivacyBudget:
         }
 
     def _write(self, reserve: int) -> None:
+        reserve = max(reserve, self._running)
         files.atomic_write_json(self._state_path, self.get_state(reserve))
         self._disk_steps = self._steps + reserve
 
     def save(self, path: Optional[str] = None) -> None:
-        """Writes the exact state atomically to `path` (or `state_path`)."""
+        """Writes the exact state atomically to `path`, or to `state_path`
+        as `write` does (keeping steps that may be running)."""
         path = self._state_path if path is None else os.fspath(path)
         if path is None:
             raise ValueError('path is required when the ledger has no '
                              'state_path.')
-        files.atomic_write_json(path, self.get_state())
         if path == self._state_path:
-            self._disk_steps = self._steps
+            self._write(reserve=0)  # Keeps steps that may be running.
+        else:
+            files.atomic_write_json(path, self.get_state())
 
     def reserve_ahead(self, steps: int) -> None:
         """Before `steps` steps run: unless the file already covers them,
         writes it charging `save_every_steps` (at least `steps`) ahead,
         capped by the target and `max_steps`, never below `steps`."""
+        self._running = steps
         if self._state_path is None or (
                 self._steps + steps <= self._disk_steps):
             return
@@ -464,10 +475,13 @@ class PrivacyBudget:
         """Charges `count` >= 1 steps of `event` that ran; the file is
         written when more ran than it charges."""
         self.compose(self._event, _validate.integer('count', count, 1))
+        self._running = max(0, self._running - count)
         if self._state_path is not None and self._steps > self._disk_steps:
             self._write(reserve=0)
 
     def write(self) -> None:
-        """Writes the exact count to `state_path` (if any)."""
+        """Writes the exact count to `state_path` (if any), plus the steps
+        announced by `reserve_ahead` and not charged yet (they may be
+        running)."""
         if self._state_path is not None:
             self._write(reserve=0)
