@@ -17,18 +17,19 @@ CPU. Prints examples/second for
 elsewhere the row is skipped and the reason printed).
 
 The DP rows train on real Poisson logical batches (``poisson_batches``,
-expected size B, padded to a multiple of the physical batch size), and their
-examples/second count the expected real examples, n q1 = B per step: padding
-rows cost time but are not counted. The fast configurations are timed in
+expected size B, unpadded: DPModel runs the last chunk of a batch at its own
+size), and their examples/second count the expected real examples, n q1 = B
+per step. One more row runs the q2 = 0.5 DPModel on fixed batches of B: the
+Poisson overhead (fixed / Poisson examples per second, paired) is what
+variable batch sizes cost. The fast configurations are timed in
 rounds, each timing every configuration once in a rotated order; a ratio is
 the median over rounds of the ratio within a round (paired), so load that
 drifts between rounds cancels. The tf_privacy row is timed once (it is two
-orders of magnitude apart). Also printed: the padding overhead of the
-Poisson pipeline (rows computed / real rows) and the peak memory of a
-4,096-example logical batch in microbatches against one microbatch (each in
-its own subprocess). Targets: DPModel q2 = 0.5 + l-infinity >= 0.5x
-non-private fit; twice sampling <= 10 % over q2 = 1; fast path >= 30x
-tf_privacy vectorized; padding <= 1.1x; memory <= 1.2x. Usage:
+orders of magnitude apart). Also printed: the peak memory of a 4,096-example
+logical batch in microbatches against one microbatch (each in its own
+subprocess). Targets: DPModel q2 = 0.5 + l-infinity >= 0.5x non-private fit;
+twice sampling <= 10 % over q2 = 1; fast path >= 30x tf_privacy vectorized;
+Poisson overhead <= 1.1x; memory <= 1.2x. Usage:
 
   python benchmarks/training_benchmark.py            # full run
   python benchmarks/training_benchmark.py --quick    # a minute or two
@@ -58,6 +59,7 @@ from tf_twice import optimizers  # noqa: E402
 from tf_twice import sampling  # noqa: E402
 from tf_twice.config import TwiceSamplingConfig  # noqa: E402
 from tf_twice.keras import DPModel  # noqa: E402
+from tf_twice.keras import default_physical_batch_size  # noqa: E402
 
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
@@ -132,26 +134,16 @@ def fixed_batches(batch: int, num_batches: int) -> tf.data.Dataset:
             .repeat())
 
 
-def poisson_dataset(batch: int, physical: int, seed: int = 0
-                    ) -> tf.data.Dataset:
-    """Real Poisson logical batches of expected size `batch`, padded to a
-    multiple of `physical`, from n = POISSON_POOL_FACTOR * batch examples."""
+def poisson_dataset(batch: int, seed: int = 0) -> tf.data.Dataset:
+    """Real Poisson logical batches of expected size `batch` (unpadded)
+    from n = POISSON_POOL_FACTOR * batch examples."""
     x, y = _random_examples(POISSON_POOL_FACTOR * batch)
-    return sampling.poisson_batches(
-        x, y, physical_batch_size=physical, expected_batch_size=batch,
-        repeat=True, seed=seed)
+    return sampling.poisson_batches(x, y, expected_batch_size=batch,
+                                    repeat=True, seed=seed)
 
 
-def padding_overhead(batch: int, physical: int, steps: int) -> float:
-    """Rows the Poisson pipeline hands the model / real (weight-1) rows."""
-    rows = real = 0.0
-    for _, _, weight in poisson_dataset(batch, physical, seed=1).take(steps):
-        rows += int(weight.shape[0])
-        real += float(tf.reduce_sum(weight))
-    return rows / max(real, 1.0)
-
-
-def build(name: str, batch: int, physical: int) -> tf.keras.Model:
+def build(name: str, batch: int, physical: Optional[int]
+          ) -> tf.keras.Model:
     """Builds and compiles the model of one benchmark configuration."""
     tf.keras.utils.set_random_seed(0)
     model = reference_model()
@@ -194,16 +186,18 @@ def time_fit(model: tf.keras.Model, dataset: tf.data.Dataset,
     return steps * batch / wall, steps * batch / cpu
 
 
-FAST = ('non-private fit', 'fast path q2=1', 'fast path q2=0.5 linf=0.1',
+TWICE = 'fast path q2=0.5 linf=0.1'
+TWICE_FIXED = TWICE + ' fixed B'  # The same model on fixed batches of B.
+FAST = ('non-private fit', 'fast path q2=1', TWICE, TWICE_FIXED,
         'optimizer path q2=0.5 linf=0.1')
+ON_FIXED_BATCHES = ('non-private fit', 'tf_privacy vectorized', TWICE_FIXED)
 
 
 def throughput(args) -> Dict[str, List[tuple]]:
     """Per configuration, one (examples/s, examples/CPU-s) per round."""
-    batch, physical = args.batch_size, args.physical_batch_size or (
-        args.batch_size)
+    batch, physical = args.batch_size, args.physical_batch_size
     fixed = fixed_batches(batch, 4)
-    poisson = poisson_dataset(batch, physical)
+    poisson = poisson_dataset(batch)
     slow = [] if args.skip_slow else ['tf_privacy vectorized']
     for name in FAST + tuple(slow):
         reason = unavailable(name)
@@ -212,8 +206,7 @@ def throughput(args) -> Dict[str, List[tuple]]:
                                 subsequent_indent='    '), flush=True)
     fast = [name for name in FAST if unavailable(name) is None]
     slow = [name for name in slow if unavailable(name) is None]
-    data = {name: fixed if name in ('non-private fit',
-                                    'tf_privacy vectorized') else poisson
+    data = {name: fixed if name in ON_FIXED_BATCHES else poisson
             for name in fast + slow}
     results: Dict[str, List[tuple]] = {}
     models = {}
@@ -292,10 +285,8 @@ def main(argv=None) -> None:
     parser.add_argument('--batch-size', type=int, default=256,
                         help='expected (logical) batch size B')
     parser.add_argument('--physical-batch-size', type=int, default=None,
-                        help='DPModel chunk size and Poisson padding unit '
-                        '(default: B)')
-    parser.add_argument('--padding-steps', type=int, default=200,
-                        help='Poisson steps drawn to measure the padding')
+                        help='DPModel chunk size (default: the library\'s, '
+                        'default_physical_batch_size)')
     parser.add_argument('--steps', type=int, default=10,
                         help='timed steps per round of the fast configs')
     parser.add_argument('--rounds', type=int, default=6)
@@ -307,7 +298,7 @@ def main(argv=None) -> None:
     parser.add_argument('--memory-logical', type=int, default=4096)
     parser.add_argument('--memory-physical', type=int, default=256)
     parser.add_argument('--quick', action='store_true',
-                        help='steps=8, rounds=2, slow-steps=1, padding-steps=50')
+                        help='steps=8, rounds=2, slow-steps=1')
     parser.add_argument('--memory-child', action='store_true',
                         help=argparse.SUPPRESS)
     parser.add_argument('--logical', type=int, help=argparse.SUPPRESS)
@@ -318,9 +309,10 @@ def main(argv=None) -> None:
         return
     if args.quick:
         args.steps, args.rounds, args.slow_steps = 8, 2, 1
-        args.padding_steps = 50
 
-    physical = args.physical_batch_size or args.batch_size
+    physical = args.physical_batch_size = (
+        args.physical_batch_size or default_physical_batch_size(
+            reference_model(), _config(args.batch_size, twice=True)))
     print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, expected '
           f'batch {args.batch_size}, physical batch {physical}, parameters '
           f'{reference_model().count_params()}. Rounds time every '
@@ -342,7 +334,7 @@ def main(argv=None) -> None:
               f'(target {target}{verdict})')
 
     print('\nratios (paired within rounds; targets judged on wall clock)')
-    one, twice = 'fast path q2=1', 'fast path q2=0.5 linf=0.1'
+    one, twice = 'fast path q2=1', TWICE
     for fast in (one, twice):
         ratio(fast, 'tf_privacy vectorized', 30.0, '>= 30')
     ratio(one, 'non-private fit', None, 'informative')
@@ -358,13 +350,13 @@ def main(argv=None) -> None:
                   f'{label} time: {100 * overhead:+.1f}%'
                   + (f'  (target <= 10%: {verdict})' if clock == 0 else ''))
 
-    print('\nPoisson padding (rows computed / real rows, '
-          f'{args.padding_steps} steps)')
-    for p in sorted({physical, 64}):
-        value = padding_overhead(args.batch_size, p, args.padding_steps)
-        verdict = 'ok' if value <= 1.1 else 'MISSED'
-        print(f'  expected batch {args.batch_size}, physical {p}: '
-              f'{value:.3f}  (target <= 1.1: {verdict})')
+    for clock, label in ((0, 'wall'), (1, 'CPU')):
+        cost = paired_ratio(results, TWICE_FIXED, twice, clock)
+        if cost is not None:
+            verdict = 'ok' if cost <= 1.1 else 'MISSED'
+            print(f'  Poisson overhead (fixed batches of B / Poisson batches '
+                  f'of expected size B), {label} time: {cost:.3f}x'
+                  + (f'  (target <= 1.1: {verdict})' if clock == 0 else ''))
 
     if not args.skip_memory:
         big = measure_memory(args.memory_logical, args.memory_physical, 2)

@@ -105,6 +105,26 @@ def test_padding_weights_and_shapes():
         np.testing.assert_array_equal(xb[:k, 0] - 1.0, yb[:k])
 
 
+def test_batches_are_not_padded_unless_asked():
+    n = 37
+    x = np.arange(n, dtype=np.float32)[:, None] + 1.0
+    y = np.arange(n, dtype=np.int32)
+    ds = sampling.poisson_batches(x, y, example_sampling_rate=0.3, steps=50,
+                                  seed=3)
+    assert sampling.get_poisson_sampling_info(ds).physical_batch_size is None
+    sizes = []
+    for xb, yb, w in ds.as_numpy_iterator():
+        np.testing.assert_array_equal(w, np.ones(len(yb)))
+        np.testing.assert_array_equal(xb[:, 0] - 1.0, yb)
+        sizes.append(len(yb))
+    # The same steps as with padding, only without the zero rows.
+    padded = sampling.poisson_batches(x, y, physical_batch_size=5,
+                                      example_sampling_rate=0.3, steps=50,
+                                      seed=3)
+    assert sizes == [int(w.sum()) for _, _, w in padded.as_numpy_iterator()]
+    assert len(set(sizes)) > 3
+
+
 def test_empty_batches_are_emitted():
     x = np.ones([5, 3], np.float32)
     ds = sampling.poisson_batches(x, np.zeros(5), physical_batch_size=4,

@@ -12,9 +12,10 @@ one DP step:
 * the batch size is k ~ Binomial(n, q1) and the examples are a uniformly
   random k-subset drawn without replacement. This is the same distribution as
   n independent coin flips, at O(k) cost per step instead of O(n);
-* the leading size is zero-padded up to a multiple of `physical_batch_size`
-  (so the model can split the batch into fixed-shape microbatches without
-  retracing); `sample_weight` is 1.0 for the k real examples and 0.0 for the
+* the leading size is k: `DPModel` cuts a batch of any size into its own
+  microbatches, so no padding rows are computed. Only on request
+  (`physical_batch_size`, for fixed shapes) is it zero-padded up to a
+  multiple; `sample_weight` is 1.0 for the k real examples and 0.0 for the
   padding. k = 0 gives an empty element: an empty logical batch is a legal DP
   step (the released sum is pure noise) and is emitted, never skipped;
 * the randomness of step g is a stateless function of (seed, g), so a run is
@@ -109,7 +110,8 @@ class PoissonSamplingInfo:
       num_examples: n.
       example_sampling_rate: q1.
       expected_batch_size: n * q1.
-      physical_batch_size: logical batches are padded to a multiple of it.
+      physical_batch_size: logical batches are padded to a multiple of it,
+        or None (not padded).
       steps: logical batches per iteration, or None for an infinite dataset.
       steps_per_epoch: round(1 / q1).
       seed: the seed of the sampling stream (drawn at random if not given).
@@ -118,7 +120,7 @@ class PoissonSamplingInfo:
     num_examples: int
     example_sampling_rate: float
     expected_batch_size: float
-    physical_batch_size: int
+    physical_batch_size: Optional[int]
     steps: Optional[int]
     steps_per_epoch: int
     seed: int
@@ -296,7 +298,7 @@ def poisson_batches(
         x: Any,
         y: Any,
         *,
-        physical_batch_size: int,
+        physical_batch_size: Optional[int] = None,
         example_sampling_rate: Optional[float] = None,
         expected_batch_size: Optional[float] = None,
         steps: Optional[int] = None,
@@ -316,8 +318,10 @@ def poisson_batches(
     Args:
       x: the inputs, an array or a nest of arrays with leading dimension n.
       y: the targets, likewise.
-      physical_batch_size: >= 1; each logical batch is zero-padded (weight 0)
-        to a multiple of it.
+      physical_batch_size: None (default): batches keep their size k, which
+        `DPModel` needs (it computes no padding rows). An int >= 1 pads each
+        logical batch with zero rows (weight 0) to a multiple of it, for
+        code that needs fixed shapes; padding rows cost compute.
       example_sampling_rate: q1 in (0, 1]; or
       expected_batch_size: n * q1 in (0, n] (exactly one of the two).
       steps: logical batches per iteration, >= 1. Default: one epoch,
@@ -337,8 +341,9 @@ def poisson_batches(
         example.
 
     Returns:
-      A `tf.data.Dataset` of `(x, y, sample_weight)`, leading dimension a
-      multiple of `physical_batch_size`, `sample_weight` float32. It carries
+      A `tf.data.Dataset` of `(x, y, sample_weight)`, leading dimension k
+      (or k padded to a multiple of `physical_batch_size`), `sample_weight`
+      float32. It carries
       a `PoissonSamplingInfo` marker (`get_poisson_sampling_info`).
 
     Raises:
@@ -363,7 +368,8 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
     schedule = poisson_schedule(n, example_sampling_rate=example_sampling_rate,
                                 expected_batch_size=expected_batch_size)
     q1 = schedule.example_sampling_rate
-    p = _check_int('physical_batch_size', physical_batch_size, 1)
+    p = (1 if physical_batch_size is None else
+         _check_int('physical_batch_size', physical_batch_size, 1))
     if not isinstance(repeat, bool):
         raise ValueError(f'repeat must be True or False; got {repeat!r}.')
     if repeat and steps is not None:
@@ -413,11 +419,12 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
         yb = tf.nest.map_structure(lambda t: tf.gather(t, indices), y)
         if preprocess_fn is not None:
             xb, yb = _per_example(preprocess_fn, xb, yb)
-        pad = tf.math.floormod(-k, p)  # 0 stays 0: empty batches stay empty.
-        xb = tf.nest.map_structure(lambda t: _pad(t, pad), xb)
-        yb = tf.nest.map_structure(lambda t: _pad(t, pad), yb)
-        weights = tf.concat([tf.ones([k], tf.float32),
-                             tf.zeros([pad], tf.float32)], axis=0)
+        weights = tf.ones([k], tf.float32)
+        if p > 1:  # Only on request: padding rows cost compute.
+            pad = tf.math.floormod(-k, p)  # Empty batches stay empty.
+            xb = tf.nest.map_structure(lambda t: _pad(t, pad), xb)
+            yb = tf.nest.map_structure(lambda t: _pad(t, pad), yb)
+            weights = _pad(weights, pad)
         return xb, yb, weights
 
     ds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
@@ -430,7 +437,8 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
     info = PoissonSamplingInfo(
         num_examples=n, example_sampling_rate=q1,
         expected_batch_size=schedule.expected_batch_size,
-        physical_batch_size=p, steps=None if repeat else steps,
+        physical_batch_size=None if p == 1 else p,
+        steps=None if repeat else steps,
         steps_per_epoch=schedule.steps_per_epoch, seed=seed,
         start_step=start_step)
     setattr(ds, _MARKER_ATTR, info)
@@ -448,7 +456,7 @@ def _spec_bytes(spec: tf.TensorSpec) -> Optional[int]:
 def poisson_batches_from_dataset(
         source: tf.data.Dataset,
         *,
-        physical_batch_size: int,
+        physical_batch_size: Optional[int] = None,
         example_sampling_rate: Optional[float] = None,
         expected_batch_size: Optional[float] = None,
         steps: Optional[int] = None,

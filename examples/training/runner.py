@@ -100,7 +100,6 @@ def _input(config: TrainConfig, plan: Plan, data: Data, done: int,
         # so no logical batch of the seed's stream is used twice.
         return sampling.poisson_batches(
             data.x_train, data.y_train,
-            physical_batch_size=config.physical_batch_size,
             expected_batch_size=plan.expected_batch_size,
             steps=steps_per_iteration, seed=config.seed, start_step=done,
             preprocess_fn=preprocess)

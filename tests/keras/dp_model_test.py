@@ -114,6 +114,23 @@ def test_train_on_batch_is_refused():
         dp.train_on_batch(*_data(4))
 
 
+def test_per_example_gradients_are_computed_for_the_real_rows_only(
+        monkeypatch):
+    # A batch of 11 in chunks of 4 is 4 + 4 + 3 rows, not 12 with padding.
+    from tf_twice.keras import per_example
+    rows = tf.Variable(0, dtype=tf.int32)
+    original = per_example.gradients
+
+    def counting(model, loss, x, y, **kwargs):
+        rows.assign_add(tf.shape(y)[0])
+        return original(model, loss, x, y, **kwargs)
+
+    monkeypatch.setattr(per_example, 'gradients', counting)
+    dp = _private(_mlp(), physical_batch_size=4)
+    dp.fit(tf.data.Dataset.from_tensors(_data(11)), verbose=0)
+    assert int(rows.numpy()) == 11
+
+
 def test_whole_step_matches_numpy_reference():
     x, y = _data(7, seed=3)
     weights = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)

@@ -71,8 +71,10 @@ def test_the_parts_are_wired_from_the_one_config():
         data, example_sampling_rate=model.config.example_sampling_rate)
     assert info.num_examples == N
     assert info.example_sampling_rate == BATCH / N
-    assert model.physical_batch_size == sampling.get_poisson_sampling_info(
-        data).physical_batch_size
+    # Unpadded: the model cuts each batch itself, computing no padding rows.
+    assert sampling.get_poisson_sampling_info(data).physical_batch_size is None
+    for xb, _, weights in data.take(4):
+        assert np.all(weights.numpy() == 1.0) and len(weights) == len(xb)
 
 
 def test_fit_stops_exactly_after_the_planned_steps():

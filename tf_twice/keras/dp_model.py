@@ -9,10 +9,11 @@ and feeds them to its ``PrivateAggregator`` (``tf_twice.mechanism``).
 Input contract: each dataset element is ONE logical batch ``(x, y)`` or
 ``(x, y, sample_weight)`` (weights in [0, 1]: 1 real, 0 padding) whose size
 may change between steps, 0 included (an empty logical batch is a valid DP
-step whose update is pure noise). The step pads it with zero-weight rows to a
-multiple of ``physical_batch_size``, runs the physical microbatches in a
-``tf.while_loop`` with static shapes, accumulates the clipped masked sums, adds
-noise once and applies the update with the compiled optimizer.
+step whose update is pure noise). The step cuts it into physical microbatches
+of ``physical_batch_size`` rows, the last one as large as what is left (no
+padding rows are computed), runs them in a ``tf.while_loop``, accumulates the
+clipped masked sums, adds noise once and applies the update with the compiled
+optimizer.
 
 Privacy: the mechanism is the model's ``TwiceSamplingConfig``. With Poisson
 sampling of its n examples at rate q1 (``expected_batch_size`` = n * q1)
@@ -113,7 +114,7 @@ class DPModel(tf.keras.Model):
             blocks, then the residual). None: the mechanism comes from the
             tf_twice DP optimizer given to ``compile``.
           physical_batch_size: examples per vectorized chunk (an int >= 1);
-            logical batches are padded to a multiple of it. Speed and memory
+            a logical batch's last chunk holds what is left. Speed and memory
             only, never privacy. None: ``default_physical_batch_size``.
           seed: of the step keys (masks and noise), for experiments; None
             (default) uses OS entropy. Never saved with the model.
@@ -448,8 +449,6 @@ class DPModel(tf.keras.Model):
                                                bounded=True)
         chunk = self.physical_batch_size
         num_chunks = (size + chunk - 1) // chunk
-        x_chunks, y_chunks, w_chunks = per_example.to_chunks(
-            (x, y, weights), chunk, num_chunks)
 
         variables = self.inner_model.trainable_variables
         key = aggregator.begin(variables, self.optimizer.iterations)
@@ -458,8 +457,7 @@ class DPModel(tf.keras.Model):
         first_row = aggregator_lib.global_offset(size)
 
         def body(i, sums):
-            xc = tf.nest.map_structure(lambda t: t[i], x_chunks)
-            yc, wc = y_chunks[i], w_chunks[i]
+            xc, yc, wc = per_example.chunk_of((x, y, weights), i, chunk, size)
             grads, losses, predictions = per_example.gradients(
                 self.inner_model, self._example_loss, xc, yc)
             sums = aggregator.accumulate(

@@ -12,7 +12,7 @@ rows, 0 * NaN = NaN). This module is the one place that
   `tape.jacobian`),
 * reads per-example weights in [0, 1] (`example_weights`,
   `check_weights`), and
-* pads a logical batch into fixed-size physical chunks (`to_chunks`,
+* cuts a logical batch into physical chunks (`chunk_of`,
   `default_physical_batch_size`) for a model built beforehand (`build`).
 """
 
@@ -28,7 +28,7 @@ from tf_twice import config as config_lib
 
 __all__ = ['PerExample', 'build', 'check_weights',
            'default_physical_batch_size', 'example_weights', 'gradients',
-           'loss_fn', 'losses', 'to_chunks']
+           'chunk_of', 'loss_fn', 'losses']
 
 LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
@@ -202,22 +202,25 @@ def example_weights(sample_weight: Any, size: tf.Tensor, *,
 # --- physical chunks --------------------------------------------------------
 
 
-def to_chunks(tensors: Any, chunk: int, num_chunks: tf.Tensor) -> Any:
-    """Each tensor of the nest [B, ...] -> [num_chunks, chunk, ...]: zero
-    rows pad B to num_chunks * chunk; the inner shape is static (for the
-    while loop over chunks)."""
+def chunk_of(tensors: Any, index: tf.Tensor, chunk: int,
+             size: tf.Tensor) -> Any:
+    """Rows [index * chunk, min((index + 1) * chunk, size)) of each tensor
+    of the nest [B, ...].
+
+    The last chunk of a logical batch keeps its own size instead of being
+    padded to ``chunk`` rows: a Poisson batch of k rows costs k rows of
+    per-example gradients, not a multiple of ``chunk`` (padding to 256 cost
+    1.48x the real rows at an expected batch of 256).
+    """
+    start = index * chunk
+    stop = tf.minimum(start + chunk, size)
 
     def one(t):
-        rank = t.shape.rank
-        if rank is None or rank == 0:
+        if t.shape.rank is None or t.shape.rank == 0:
             raise ValueError(
                 'every input, target and weight tensor needs a known rank '
                 f'>= 1 (a leading batch dimension), got shape {t.shape}.')
-        extra = num_chunks * chunk - tf.shape(t)[0]
-        t = tf.pad(t, [[0, extra]] + [[0, 0]] * (rank - 1))
-        out = tf.reshape(t, tf.concat([[-1, chunk], tf.shape(t)[1:]], 0))
-        out.set_shape([None, chunk] + t.shape[1:].as_list())
-        return out
+        return t[start:stop]
 
     return tf.nest.map_structure(one, tensors)
 
@@ -251,7 +254,7 @@ def default_physical_batch_size(
     The largest power of two P in [8, 256] whose [P, d] float32 per-example
     gradients fit in 32 MiB (d: the model's trainable parameters; 64 for a
     model not built yet), and no larger than the expected logical batch
-    rounded up to a power of two (larger chunks would be mostly padding).
+    rounded up to a power of two (a larger chunk would never be filled).
     Speed and memory only: it never changes the released values' law.
     """
     low, high = _PHYSICAL_RANGE

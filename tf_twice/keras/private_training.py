@@ -165,8 +165,7 @@ def make_private(
     if data_seed is not None and ledger.steps:
         data_seed = _resumed_seed(data_seed, ledger.steps)
     data = sampling.poisson_batches(
-        x, y, physical_batch_size=private.physical_batch_size,
-        expected_batch_size=config.expected_batch_size, seed=data_seed,
+        x, y, expected_batch_size=config.expected_batch_size, seed=data_seed,
         start_step=ledger.steps, preprocess_fn=preprocess_fn)
     info = sampling.get_poisson_sampling_info(data)
     if info.num_examples != config.num_examples:
