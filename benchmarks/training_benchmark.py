@@ -1,7 +1,8 @@
 """Training throughput and memory of the DP training paths, in one run.
 
 Reference model: Conv2D(16,3,relu)-MaxPool-Conv2D(32,3,relu)-MaxPool-Flatten-
-Dense(64,relu)-Dense(10) on 32x32x3 inputs (79,530 parameters), random data,
+Dense(64,relu)-Dense(10) on 32x32x3 inputs (79,530 parameters), or with
+``--model=resnet22`` the paper's ResNet22 (291,898 parameters), random data,
 CPU. Prints examples/second for
 
   * non-private Keras ``fit`` on fixed batches of B (what a non-private user
@@ -33,6 +34,8 @@ Poisson overhead <= 1.1x; memory <= 1.2x. Usage:
 
   python benchmarks/training_benchmark.py            # full run
   python benchmarks/training_benchmark.py --quick    # a minute or two
+  python benchmarks/training_benchmark.py --model=resnet22 --batch-size=128 \
+      --skip-slow --skip-memory                       # the ResNet22 ratio
 """
 
 import argparse
@@ -66,9 +69,14 @@ NUM_CLASSES = 10
 L2_CLIP, LINF_CLIP, NOISE = 1.0, 0.1, 1.0
 
 
+# --model: the reference CNN (79,530 parameters) or ResNet22 (291,898).
+MODEL = ['small_cnn']
+
+
 def reference_model() -> tf.keras.Model:
-    """The benchmarks' reference CNN (79,530 parameters on 32x32x3)."""
-    return models.small_cnn(IMAGE_SHAPE, NUM_CLASSES)
+    """The benchmarked model on 32x32x3 inputs (``--model``)."""
+    return models.build_model(MODEL[0], input_shape=IMAGE_SHAPE,
+                              num_classes=NUM_CLASSES)
 
 
 def _config(batch: int, twice: bool,
@@ -273,7 +281,7 @@ def measure_memory(logical: int, physical: int, steps: int) -> tuple:
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), '--memory-child',
          '--logical', str(logical), '--physical', str(physical),
-         '--steps', str(steps)],
+         '--steps', str(steps), '--model', MODEL[0]],
         check=True, capture_output=True, text=True).stdout
     line = [row for row in out.splitlines() if row.startswith('MEMORY')][-1]
     baseline, peak = (float(v) for v in line.split()[1:])
@@ -282,6 +290,8 @@ def measure_memory(logical: int, physical: int, steps: int) -> tuple:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--model', choices=('small_cnn', 'resnet22'),
+                        default='small_cnn')
     parser.add_argument('--batch-size', type=int, default=256,
                         help='expected (logical) batch size B')
     parser.add_argument('--physical-batch-size', type=int, default=None,
@@ -304,6 +314,7 @@ def main(argv=None) -> None:
     parser.add_argument('--logical', type=int, help=argparse.SUPPRESS)
     parser.add_argument('--physical', type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    MODEL[0] = args.model
     if args.memory_child:
         memory_child(args.logical, args.physical, args.steps)
         return
@@ -313,7 +324,8 @@ def main(argv=None) -> None:
     physical = args.physical_batch_size = (
         args.physical_batch_size or default_physical_batch_size(
             reference_model(), _config(args.batch_size, twice=True)))
-    print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, expected '
+    print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, '
+          f'{args.model}, expected '
           f'batch {args.batch_size}, physical batch {physical}, parameters '
           f'{reference_model().count_params()}. Rounds time every '
           'configuration once; ratios are medians of within-round ratios.')
