@@ -64,6 +64,7 @@ from tf_twice import config as config_lib
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.keras import guards
 from tf_twice.keras import ledger as ledger_lib
+from tf_twice.keras import layer_state
 from tf_twice.keras import per_example
 from tf_twice.keras.per_example import default_physical_batch_size
 from tf_twice.mechanism import aggregator as aggregator_lib
@@ -357,6 +358,9 @@ class DPModel(tf.keras.Model):
         per_example.check_weights(
             'class_weight', args[3] if len(args) > 3 else
             kwargs.get('class_weight'))
+        layer_state.check_no_input_dependent_state(
+            self.inner_model, layer_state.input_spec_of(x),
+            self.distribute_strategy)
         is_dataset = isinstance(x, tf.data.Dataset)
         if is_dataset and len(args) < 3:
             # Each element is one logical batch: there is nothing to

@@ -62,7 +62,7 @@ class NonPoissonInputWarning(UserWarning):
     """Training data is not Poisson-sampled; the reported epsilon is void."""
 
 
-def _walk_layers(layer: Any, path: str) -> Iterator[Tuple[str, Any]]:
+def walk_layers(layer: Any, path: str) -> Iterator[Tuple[str, Any]]:
     """Yields (path, layer) for `layer` and every layer nested in it."""
     yield path, layer
     children = getattr(layer, '_flatten_layers', None)
@@ -71,7 +71,7 @@ def _walk_layers(layer: Any, path: str) -> Iterator[Tuple[str, Any]]:
     else:
         nested = getattr(layer, 'layers', [])
     for child in nested:
-        yield from _walk_layers(child, f'{path}/{child.name}')
+        yield from walk_layers(child, f'{path}/{child.name}')
 
 
 def _why_not_per_example(layer: Any) -> Optional[str]:
@@ -132,7 +132,7 @@ def check_no_example_mixing(model: tf.keras.layers.Layer) -> None:
     if not isinstance(model, tf.keras.layers.Layer):
         raise ValueError('model must be a tf.keras Model or Layer; got '
                          f'{type(model).__name__}.')
-    for path, layer in _walk_layers(model, model.name):
+    for path, layer in walk_layers(model, model.name):
         why = _why_not_per_example(layer)
         if why is not None:
             raise ValueError(
