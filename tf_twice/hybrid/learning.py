@@ -34,14 +34,11 @@ from scipy import linalg
 import tensorflow as tf
 
 from tf_twice import _validate
-from tf_twice.mechanism.basis import DEFAULT_ORTHONORMALITY_TOLERANCE
-from tf_twice.mechanism.basis import HybridBasis
 # The structure checks and sizes that HybridBasis applies, reused so that a
 # learned basis is checked against the same rules as one built by hand.
-from tf_twice.mechanism.basis import ArrayLike
-from tf_twice.mechanism.basis import _check_groups
-from tf_twice.mechanism.basis import _check_shapes
-from tf_twice.mechanism.basis import _size
+from tf_twice.mechanism import basis_layout
+from tf_twice.mechanism.basis import DEFAULT_ORTHONORMALITY_TOLERANCE
+from tf_twice.mechanism.basis import HybridBasis
 
 __all__ = [
     'DEFAULT_POWER_ITERATIONS',
@@ -196,8 +193,8 @@ def _as_per_variable(public_gradients, variable_shapes) -> List[np.ndarray]:
                 f'shape {matrix.shape}.')
         if variable_shapes is None:
             return [matrix]
-        shapes = _check_shapes(variable_shapes)
-        sizes = [_size(s) for s in shapes]
+        shapes = basis_layout.check_shapes(variable_shapes)
+        sizes = [basis_layout.size(s) for s in shapes]
         if sum(sizes) != matrix.shape[1]:
             raise ValueError(
                 f'variable_shapes must cover d = {matrix.shape[1]} '
@@ -208,7 +205,7 @@ def _as_per_variable(public_gradients, variable_shapes) -> List[np.ndarray]:
     if not per_variable:
         raise ValueError('public_gradients must hold at least one variable.')
     if variable_shapes is not None:
-        shapes = _check_shapes(variable_shapes)
+        shapes = basis_layout.check_shapes(variable_shapes)
         if [t.shape[1:] for t in per_variable] != list(shapes):
             raise ValueError(
                 'variable_shapes must match the public gradients; got '
@@ -216,7 +213,7 @@ def _as_per_variable(public_gradients, variable_shapes) -> List[np.ndarray]:
     return per_variable
 
 
-def group_matrices(per_variable: Sequence[ArrayLike],
+def group_matrices(per_variable: Sequence[basis_layout.ArrayLike],
                    groups: Optional[Sequence[Sequence[int]]] = None
                    ) -> List[np.ndarray]:
     """Per-variable [k, *shape_v] arrays -> per-group [k, d_g] float32.
@@ -234,7 +231,7 @@ def group_matrices(per_variable: Sequence[ArrayLike],
             f'got shapes {[a.shape for a in arrays]}.')
     if groups is None:
         groups = [list(range(len(arrays)))]
-    groups = _check_groups(groups, len(arrays))
+    groups = basis_layout.check_groups(groups, len(arrays))
     return [np.ascontiguousarray(np.concatenate(
         [arrays[v].reshape(n, -1) for v in group], axis=1))
         for group in groups]
@@ -388,13 +385,13 @@ def learn_basis(
     if not all(np.all(np.isfinite(t)) for t in per_variable):
         raise ValueError('public_gradients must be finite.')
     shapes = [tuple(t.shape[1:]) for t in per_variable]
-    sizes = [_size(s) for s in shapes]
+    sizes = [basis_layout.size(s) for s in shapes]
     if groups is None:
         groups = [list(range(len(per_variable)))]
     elif isinstance(groups, numbers.Integral) and not isinstance(groups,
                                                                  bool):
         groups = partition_variables(sizes, groups)
-    groups = _check_groups(groups, len(per_variable))
+    groups = basis_layout.check_groups(groups, len(per_variable))
     dims = [sum(sizes[v] for v in group) for group in groups]
     power_iterations = _validate.integer('power_iterations', power_iterations,
                                          1)
