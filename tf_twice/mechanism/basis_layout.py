@@ -44,7 +44,8 @@ Groups = Tuple[Tuple[int, ...], ...]
 Shapes = Tuple[Tuple[int, ...], ...]
 
 
-def check_groups(groups: Sequence[Sequence[int]], num_variables: int) -> Groups:
+def check_groups(groups: Sequence[Sequence[int]],
+                 num_variables: int) -> Groups:
     """Checks that ``groups`` partitions range(num_variables)."""
     try:
         normalised = tuple(
