@@ -130,11 +130,7 @@ def standard_dp_sgd_epsilon(*, example_sampling_rate: float,
     the subsampled Gaussian: Mironov, Talwar and Zhang, arXiv:1908.10530).
     """
     q = _validate.rate('example_sampling_rate', example_sampling_rate)
-    z = float(noise_multiplier)
-    if not (math.isfinite(z) and z >= 0):
-        raise ValueError(
-            'noise_multiplier must be finite and >= 0; got '
-            f'{noise_multiplier}.')
+    z = _validate.non_negative('noise_multiplier', noise_multiplier)
     steps = _validate.integer('steps', steps, 1)
     delta = _validate.probability('delta', delta)
     accountant = dp_accounting.rdp.RdpAccountant(list(STANDARD_DP_SGD_ORDERS))
