@@ -351,8 +351,9 @@ class HybridBasis:
     def unflatten(self, per_group: Sequence[ArrayLike]) -> List[tf.Tensor]:
         """Per-group tensors [..., d_g] -> per-variable [..., *shape_v]."""
         return basis_layout.unflatten(
-            self._check_per_group('per_group', per_group), self._groups,
-            self._variable_shapes)
+            basis_layout.check_per_group('per_group', per_group,
+                                         self._group_dims),
+            self._groups, self._variable_shapes)
 
     def split_flat(self, x: ArrayLike) -> List[tf.Tensor]:
         """[..., d] in natural order (variables 0..V-1) -> per group."""
@@ -362,23 +363,6 @@ class HybridBasis:
         """Per group [..., d_g] -> [..., d] in natural variable order."""
         return basis_layout.merge_flat(self.unflatten(per_group),
                                        self._variable_shapes)
-
-    def _check_per_group(self, name: str,
-                         per_group: Sequence[ArrayLike]) -> List[tf.Tensor]:
-        if len(per_group) != self.num_groups:
-            raise ValueError(
-                f'{name} must have {self.num_groups} tensors (one per group); '
-                f'got {len(per_group)}.')
-        out = []
-        for g, t in enumerate(per_group):
-            t = tf.convert_to_tensor(t)
-            if t.shape.rank is None or t.shape.rank < 1 or (
-                    t.shape[-1] != self._group_dims[g]):
-                raise ValueError(
-                    f'{name}[{g}] must have last dimension d_g = '
-                    f'{self._group_dims[g]}; got shape {t.shape}.')
-            out.append(t)
-        return out
 
     # Projection.
 
@@ -397,7 +381,9 @@ class HybridBasis:
         orthonormality is the caller's to keep (assign only values of a
         ``HybridBasis`` of the same ``structure``).
         """
-        per_group = self._check_per_group('flat_per_group', flat_per_group)
+        per_group = basis_layout.check_per_group('flat_per_group',
+                                                 flat_per_group,
+                                                 self._group_dims)
         coefficients: List[List[tf.Tensor]] = [
             [] for _ in range(self.num_principal_blocks)]
         residual = []
@@ -421,7 +407,8 @@ class HybridBasis:
         ``matrices`` as in ``project``.
         """
         matrices = self._resolve_matrices(matrices)
-        residual = self._check_per_group('residual', residual)
+        residual = basis_layout.check_per_group('residual', residual,
+                                                self._group_dims)
         if len(coefficients) != self.num_principal_blocks:
             raise ValueError(
                 f'coefficients must have {self.num_principal_blocks} blocks; '

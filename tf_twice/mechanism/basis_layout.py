@@ -30,6 +30,7 @@ __all__ = [
     'ArrayLike',
     'basis_memory_bytes',
     'check_groups',
+    'check_per_group',
     'check_shapes',
     'flatten',
     'merge_flat',
@@ -115,17 +116,32 @@ def _by_group(per_variable: Sequence[tf.Tensor],
             for group in groups]
 
 
+def _tensors(name: str, values: Sequence[ArrayLike], count: int,
+             unit: str) -> List[tf.Tensor]:
+    if len(values) != count:
+        raise ValueError(f'{name} must have {count} tensors (one per {unit}); '
+                         f'got {len(values)}.')
+    return [tf.convert_to_tensor(t) for t in values]
+
+
+def check_per_group(name: str, per_group: Sequence[ArrayLike],
+                    group_dims: Sequence[int]) -> List[tf.Tensor]:
+    """Tensors [..., d_g], one per group, as tensors."""
+    per_group = _tensors(name, per_group, len(group_dims), 'group')
+    for g, (t, d_g) in enumerate(zip(per_group, group_dims)):
+        if t.shape.rank is None or t.shape.rank < 1 or t.shape[-1] != d_g:
+            raise ValueError(f'{name}[{g}] must have last dimension d_g = '
+                             f'{d_g}; got shape {t.shape}.')
+    return per_group
+
+
 def flatten(per_variable: Sequence[ArrayLike], groups: Groups,
             variable_shapes: Shapes) -> List[tf.Tensor]:
     """Per-variable tensors [..., *shape_v] -> per-group [..., d_g]."""
-    if len(per_variable) != len(variable_shapes):
-        raise ValueError(
-            f'per_variable must have {len(variable_shapes)} tensors (one '
-            f'per variable); got {len(per_variable)}.')
+    per_variable = _tensors('per_variable', per_variable,
+                            len(variable_shapes), 'variable')
     flat = []
-    for v, t in enumerate(per_variable):
-        t = tf.convert_to_tensor(t)
-        shape = variable_shapes[v]
+    for v, (t, shape) in enumerate(zip(per_variable, variable_shapes)):
         lead = t.shape.rank - len(shape)
         if lead < 0 or tuple(t.shape[lead:]) != shape:
             raise ValueError(
