@@ -5,7 +5,8 @@ batch (steps 1-4 of its docstring): ``squared_norms`` and ``clip_scale`` give
 each example's l2 clip factor over a block, ``drop_non_finite`` zeroes the
 examples whose norm is not finite, and ``sum_block`` applies the factor, the
 l-infinity clip, the Bernoulli(q2) masks and the weights and sums over the
-examples, tensor by tensor. Masks come from ``randomness`` (stream
+examples, tensor by tensor; ``check_weights`` refuses, at run time, a weight
+outside [0, 1]. Masks come from ``randomness`` (stream
 ``mask_stream(block, k)`` for tensor k of a block), so they do not depend on
 how a logical batch is split into microbatches.
 """
