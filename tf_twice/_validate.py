@@ -1,7 +1,11 @@
 """Argument validators: each names the argument and the allowed range.
 
-TF-free and import-free, so every layer (config, accounting, mechanism,
-keras, the training script) can use the same checks and messages.
+The one home of the generic checks (numbers, rates, probabilities,
+integers). TF-free and import-free, so every layer (config, accounting,
+mechanism, keras, the training script) uses the same checks and messages;
+``tf_twice.accounting.blocks`` builds its per-block checks on these. A
+non-finite value fails the range test (NaN compares false, inf is out of
+range), so its message names the allowed range too.
 """
 
 from __future__ import annotations
@@ -14,11 +18,16 @@ __all__ = ['integer', 'non_negative', 'positive', 'probability', 'rate',
            'real']
 
 
-def real(name: str, value: Any) -> float:
-    """``value`` as a finite float; ValueError otherwise (bools refused)."""
+def _number(name: str, value: Any) -> float:
+    # bool is an Integral, but True as a clip or a rate is a caller's bug.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f'{name} must be a real number; got {value!r}.')
-    value = float(value)
+    return float(value)
+
+
+def real(name: str, value: Any) -> float:
+    """``value`` as a finite float; ValueError otherwise (bools refused)."""
+    value = _number(name, value)
     if not math.isfinite(value):
         raise ValueError(f'{name} must be finite; got {value!r}.')
     return value
@@ -26,23 +35,23 @@ def real(name: str, value: Any) -> float:
 
 def positive(name: str, value: Any) -> float:
     """A finite float > 0."""
-    value = real(name, value)
-    if value <= 0:
+    value = _number(name, value)
+    if not (value > 0 and math.isfinite(value)):
         raise ValueError(f'{name} must be a finite number > 0; got {value}.')
     return value
 
 
 def non_negative(name: str, value: Any) -> float:
     """A finite float >= 0."""
-    value = real(name, value)
-    if value < 0:
+    value = _number(name, value)
+    if not (value >= 0 and math.isfinite(value)):
         raise ValueError(f'{name} must be a finite number >= 0; got {value}.')
     return value
 
 
 def rate(name: str, value: Any) -> float:
     """A sampling rate in (0, 1]."""
-    value = real(name, value)
+    value = _number(name, value)
     if not 0 < value <= 1:
         raise ValueError(f'{name} must be in (0, 1]; got {value}.')
     return value
@@ -50,7 +59,7 @@ def rate(name: str, value: Any) -> float:
 
 def probability(name: str, value: Any) -> float:
     """A probability in the open interval (0, 1), e.g. delta."""
-    value = real(name, value)
+    value = _number(name, value)
     if not 0 < value < 1:
         raise ValueError(f'{name} must be in (0, 1); got {value}.')
     return value

@@ -1,5 +1,6 @@
 """Tests of the hybrid-clipping basis: learning, projection, budgets."""
 
+import json
 import math
 
 import numpy as np
@@ -217,6 +218,25 @@ def test_save_load_round_trip(grouped_basis, tmp_path):
     assert dict(loaded.metadata) == dict(grouped_basis.metadata)
     for a, b in zip(loaded.group_matrices, grouped_basis.group_matrices):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_load_checks_format_version_and_takes_tolerance(grouped_basis,
+                                                       tmp_path):
+    path = tmp_path / 'basis.npz'
+    grouped_basis.save(path)
+    loose = basis_lib.HybridBasis.load(path, orthonormality_tolerance=1e-3)
+    assert loose.orthonormality_tolerance == 1e-3
+    assert basis_lib.HybridBasis.load(path).orthonormality_tolerance == (
+        grouped_basis.orthonormality_tolerance)
+    with np.load(path) as data:
+        arrays = dict(data)
+    meta = json.loads(str(arrays['meta']))
+    meta['format_version'] = 2
+    arrays['meta'] = np.array(json.dumps(meta))
+    with open(path, 'wb') as f:
+        np.savez(f, **arrays)
+    with pytest.raises(ValueError, match='unknown basis format version 2'):
+        basis_lib.HybridBasis.load(path)
 
 
 def test_refuses_non_orthonormal():

@@ -3,58 +3,22 @@
 A hybrid-clipping step has m blocks; block j has noise multiplier z_j, l2 clip
 c2_j, l-infinity clip c_inf_j and (optionally) its number of coordinates r_j.
 Each public function accepts scalars (one block) or equal-length sequences and
-normalises them here, so validation and its error messages live in one place.
+normalises them here, so the per-block validation and its error messages live
+in one place; the generic checks (positive, rate, integer) are
+``tf_twice._validate``'s.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional, Sequence, Tuple, Union
 
 import attr
 
+from tf_twice import _validate
+
 ScalarOrBlocks = Union[float, Sequence[float]]
 OptionalScalarOrBlocks = Union[None, float, Sequence[Optional[float]]]
-
-
-def check_rate(name: str, value: float) -> float:
-    """Returns `value` as a float if it is a probability in (0, 1]."""
-    value = _as_real(name, value)
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f'{name} must be in (0, 1]; got {value}.')
-    return value
-
-
-def check_positive(name: str, value: float) -> float:
-    """Returns `value` as a float if it is finite and > 0."""
-    value = _as_real(name, value)
-    if not (value > 0.0 and math.isfinite(value)):
-        raise ValueError(f'{name} must be a finite number > 0; got {value}.')
-    return value
-
-
-def check_delta(delta: float) -> float:
-    """Returns delta as a float if it is in (0, 1)."""
-    delta = _as_real('delta', delta)
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f'delta must be in (0, 1); got {delta}.')
-    return delta
-
-
-def check_steps(name: str, steps: int) -> int:
-    """Returns `steps` if it is an integer >= 1."""
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
-        raise ValueError(f'{name} must be an integer >= 1; got {steps!r}.')
-    if steps < 1:
-        raise ValueError(f'{name} must be an integer >= 1; got {steps}.')
-    return int(steps)
-
-
-def _as_real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f'{name} must be a real number; got {value!r}.')
-    return float(value)
 
 
 def _as_tuple(name: str, value, allow_none: bool = False) -> Tuple:
@@ -134,28 +98,22 @@ class Blocks:
                     f'({lengths}).')
             broadcast[name] = values
 
-        noise = tuple(check_positive(f'{noise_multiplier_name}[{j}]', z)
+        noise = tuple(_validate.positive(f'{noise_multiplier_name}[{j}]', z)
                       for j, z in enumerate(broadcast[noise_multiplier_name]))
-        l2 = tuple(check_positive(f'{l2_norm_clip_name}[{j}]', c)
+        l2 = tuple(_validate.positive(f'{l2_norm_clip_name}[{j}]', c)
                    for j, c in enumerate(broadcast[l2_norm_clip_name]))
         linf = []
         for j, c in enumerate(broadcast[linf_norm_clip_name]):
             if c is None:
                 linf.append(l2[j])
             else:
-                linf.append(min(check_positive(f'{linf_norm_clip_name}[{j}]',
-                                               c), l2[j]))
+                linf.append(min(_validate.positive(
+                    f'{linf_norm_clip_name}[{j}]', c), l2[j]))
         dims = None
         if block_dimensions is not None:
-            dims = []
-            for j, r in enumerate(broadcast[block_dimensions_name]):
-                if (isinstance(r, bool) or not isinstance(r, numbers.Integral)
-                        or r < 1):
-                    raise ValueError(
-                        f'{block_dimensions_name}[{j}] must be an integer >= '
-                        f'1; got {r!r}.')
-                dims.append(int(r))
-            dims = tuple(dims)
+            dims = tuple(
+                _validate.integer(f'{block_dimensions_name}[{j}]', r, 1)
+                for j, r in enumerate(broadcast[block_dimensions_name]))
         return cls(noise, l2, tuple(linf), dims)
 
     def effective_noise_multiplier(self) -> float:

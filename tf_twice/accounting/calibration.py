@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from tf_twice import _validate
 from tf_twice.accounting import blocks as blocks_lib
 from tf_twice.accounting import conversion as conversion_lib
 from tf_twice.accounting import rdp as rdp_lib
@@ -118,11 +119,11 @@ def checked_epsilon_function(
         conversion: conversion_lib.ConversionLike) -> EpsilonOfBlocks:
     """Validates the setting shared by every block configuration."""
     return EpsilonOfBlocks(
-        steps=blocks_lib.check_steps('steps', steps),
-        delta=blocks_lib.check_delta(delta),
-        example_sampling_rate=blocks_lib.check_rate('example_sampling_rate',
-                                                    example_sampling_rate),
-        coordinate_sampling_rate=blocks_lib.check_rate(
+        steps=_validate.integer('steps', steps, 1),
+        delta=_validate.probability('delta', delta),
+        example_sampling_rate=_validate.rate('example_sampling_rate',
+                                             example_sampling_rate),
+        coordinate_sampling_rate=_validate.rate(
             'coordinate_sampling_rate', coordinate_sampling_rate),
         orders=rdp_lib.check_orders(DEFAULT_ORDERS if orders is None
                                     else orders),
@@ -337,11 +338,11 @@ def _refine(excess: Callable[[float], float], failing: float,
 
 
 def check_target_epsilon(target_epsilon: float) -> float:
-    return blocks_lib.check_positive('target_epsilon', target_epsilon)
+    return _validate.positive('target_epsilon', target_epsilon)
 
 
 def check_tolerance(tolerance: float) -> float:
-    tolerance = blocks_lib.check_positive('tolerance', tolerance)
+    tolerance = _validate.positive('tolerance', tolerance)
     if tolerance >= 1.0:
         raise ValueError(f'tolerance must be in (0, 1); got {tolerance}.')
     return tolerance

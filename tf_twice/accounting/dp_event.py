@@ -7,6 +7,7 @@ from typing import Optional, Tuple, Union
 import attr
 import dp_accounting
 
+from tf_twice import _validate
 from tf_twice.accounting import blocks as blocks_lib
 
 _Blocks = Union[float, Tuple[float, ...]]
@@ -48,10 +49,9 @@ class TwiceSampledGaussianDpEvent(dp_accounting.DpEvent):
         default=None, converter=_scalar_or_tuple)
 
     def __attrs_post_init__(self):
-        blocks_lib.check_rate('example_sampling_rate',
-                              self.example_sampling_rate)
-        blocks_lib.check_rate('coordinate_sampling_rate',
-                              self.coordinate_sampling_rate)
+        _validate.rate('example_sampling_rate', self.example_sampling_rate)
+        _validate.rate('coordinate_sampling_rate',
+                       self.coordinate_sampling_rate)
         self.blocks()
 
     def blocks(self) -> blocks_lib.Blocks:

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from scipy import optimize
 
+from tf_twice import _validate
 from tf_twice.accounting import blocks as blocks_lib
 from tf_twice.accounting import calibration
 from tf_twice.accounting import conversion as conversion_lib
@@ -39,8 +40,8 @@ def hybrid_clipping_noise_multipliers(
     Returns:
       z_j = sigma_j / c2_j for every block.
     """
-    z_eff = blocks_lib.check_positive('effective_noise_multiplier',
-                                      effective_noise_multiplier)
+    z_eff = _validate.positive('effective_noise_multiplier',
+                               effective_noise_multiplier)
     blocks = blocks_lib.Blocks.from_arguments(
         1.0, l2_norm_clips, None, ranks, l2_norm_clip_name='l2_norm_clips',
         block_dimensions_name='ranks')

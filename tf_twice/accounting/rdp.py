@@ -38,6 +38,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import numpy as np
 from scipy import special
 
+from tf_twice import _validate
 from tf_twice.accounting import blocks as blocks_lib
 
 # The largest RDP order accepted. The cost is O(MAX_ORDER^2) time per
@@ -341,9 +342,9 @@ def twice_sampling_rdp(
       A float64 array of the same length as `orders`.
     """
     orders_array = check_orders(orders)
-    q1 = blocks_lib.check_rate('example_sampling_rate', example_sampling_rate)
-    q2 = blocks_lib.check_rate('coordinate_sampling_rate',
-                               coordinate_sampling_rate)
+    q1 = _validate.rate('example_sampling_rate', example_sampling_rate)
+    q2 = _validate.rate('coordinate_sampling_rate',
+                        coordinate_sampling_rate)
     blocks = blocks_lib.Blocks.from_arguments(
         noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions)
     return rdp_of_blocks(orders_array, q1, q2, blocks)

@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import dp_accounting
 
+from tf_twice import _validate
 from tf_twice.accounting import blocks as blocks_lib
 from tf_twice.accounting import calibration
 from tf_twice.accounting import conversion as conversion_lib
@@ -33,12 +34,12 @@ def _steps(number_of_examples: int, batch_size: float,
 
 def _check_dataset(number_of_examples, batch_size, num_epochs
                    ) -> Tuple[int, float, float, int]:
-    blocks_lib.check_steps('number_of_examples', number_of_examples)
-    batch_size = blocks_lib.check_positive('batch_size', batch_size)
+    _validate.integer('number_of_examples', number_of_examples, 1)
+    batch_size = _validate.positive('batch_size', batch_size)
     if batch_size > number_of_examples:
         raise ValueError(f'batch_size must be in (0, number_of_examples='
                          f'{number_of_examples}]; got {batch_size}.')
-    num_epochs = blocks_lib.check_positive('num_epochs', num_epochs)
+    num_epochs = _validate.positive('num_epochs', num_epochs)
     q1 = batch_size / number_of_examples
     return number_of_examples, q1, num_epochs, _steps(
         number_of_examples, batch_size, num_epochs)
@@ -128,14 +129,10 @@ def standard_dp_sgd_epsilon(*, example_sampling_rate: float,
     step count given directly instead of recomputed from epochs (the RDP of
     the subsampled Gaussian: Mironov, Talwar and Zhang, arXiv:1908.10530).
     """
-    q = blocks_lib.check_rate('example_sampling_rate', example_sampling_rate)
-    z = float(noise_multiplier)
-    if not (math.isfinite(z) and z >= 0):
-        raise ValueError(
-            'noise_multiplier must be finite and >= 0; got '
-            f'{noise_multiplier}.')
-    steps = blocks_lib.check_steps('steps', steps)
-    delta = blocks_lib.check_delta(delta)
+    q = _validate.rate('example_sampling_rate', example_sampling_rate)
+    z = _validate.non_negative('noise_multiplier', noise_multiplier)
+    steps = _validate.integer('steps', steps, 1)
+    delta = _validate.probability('delta', delta)
     accountant = dp_accounting.rdp.RdpAccountant(list(STANDARD_DP_SGD_ORDERS))
     # dp_accounting >= 0.5 drops a fractional order whose series does not
     # converge (large q, small z) and logs it; dropping an order only leaves
@@ -250,7 +247,7 @@ def hybrid_noise_variance_ratio(
     if blocks.dimensions is None:
         raise ValueError('block_dimensions must be given, one per block.')
     d = blocks.dimensions[-1] if model_dimension is None else (
-        blocks_lib.check_steps('model_dimension', model_dimension))
+        _validate.integer('model_dimension', model_dimension, 1))
     hybrid = sum(r * (z * c) ** 2 for r, z, c in zip(
         blocks.dimensions, blocks.noise_multipliers, blocks.l2_norm_clips))
     c = math.sqrt(sum(c2 ** 2 for c2 in blocks.l2_norm_clips))
@@ -325,9 +322,9 @@ def compute_twice_sampling_privacy_statement(
     """
     n, q1, num_epochs, steps = _check_dataset(number_of_examples, batch_size,
                                               num_epochs)
-    delta = blocks_lib.check_delta(delta)
-    q2 = blocks_lib.check_rate('coordinate_sampling_rate',
-                               coordinate_sampling_rate)
+    delta = _validate.probability('delta', delta)
+    q2 = _validate.rate('coordinate_sampling_rate',
+                        coordinate_sampling_rate)
     conversion = conversion_lib.as_conversion(conversion)
     _check_no_microbatching(used_microbatching)
     blocks = blocks_lib.Blocks.from_arguments(

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_twice import _validate
+from tf_twice.hybrid import gradients as gradients_lib
 from tf_twice.mechanism import basis as basis_lib
 
 __all__ = [
@@ -96,39 +98,11 @@ class GradientGeometry:
         return out
 
 
-def _as_matrix(per_example_gradients, basis) -> np.ndarray:
-    """[n, d] float32 in natural variable order."""
-    if isinstance(per_example_gradients, (np.ndarray, tf.Tensor)):
-        matrix = np.asarray(per_example_gradients, dtype=np.float32)
-        if matrix.ndim != 2:
-            raise ValueError(
-                'per_example_gradients as one array must be 2-D [n, d]; got '
-                f'shape {matrix.shape}.')
-    else:
-        arrays = [np.asarray(t, dtype=np.float32)
-                  for t in per_example_gradients]
-        if not arrays or any(a.ndim < 1 or a.shape[0] != arrays[0].shape[0]
-                             for a in arrays):
-            raise ValueError(
-                'per_example_gradients must be [n, d] or per-variable arrays '
-                '[n, *shape] sharing n.')
-        matrix = np.concatenate(
-            [a.reshape(a.shape[0], -1) for a in arrays], axis=1)
-    if matrix.shape[0] < 1:
-        raise ValueError('per_example_gradients must hold >= 1 example.')
-    if basis is not None and matrix.shape[1] != basis.dim:
-        raise ValueError(
-            f'per_example_gradients must have d = {basis.dim} coordinates '
-            f'(the basis); got {matrix.shape[1]}.')
-    if not np.all(np.isfinite(matrix)):
-        raise ValueError('per_example_gradients must be finite.')
-    return matrix
-
-
 def coordinate_significance(public_gradients) -> np.ndarray:
     """Mean |coordinate| over PUBLIC examples, [d]: the paper's score for
     choosing which coordinates a sparsification keeps."""
-    matrix = _as_matrix(public_gradients, None)
+    matrix = gradients_lib.read_gradients(public_gradients,
+                                          'public_gradients', layout='matrix')
     return np.mean(np.abs(matrix, dtype=np.float64), axis=0)
 
 
@@ -155,8 +129,13 @@ def gradient_geometry(per_example_gradients,
         <= clip_norm (the paper clips to 1 before its statistics).
       chunk_size: examples processed at a time (bounds memory).
     """
-    matrix = _as_matrix(per_example_gradients, basis)
+    matrix = gradients_lib.read_gradients(
+        per_example_gradients, 'per_example_gradients', layout='matrix')
     n, d = matrix.shape
+    if basis is not None and d != basis.dim:
+        raise ValueError(
+            f'per_example_gradients must have d = {basis.dim} coordinates '
+            f'(the basis); got {d}.')
     top_s = tuple(int(s) for s in top_s)
     if any(s < 0 or s > d for s in top_s):
         raise ValueError(f'top_s entries must be in [0, {d}]; got {top_s}.')
@@ -172,10 +151,7 @@ def gradient_geometry(per_example_gradients,
             clip_norm)):
         raise ValueError(
             f'clip_norm must be a finite number > 0 or None; got {clip_norm}.')
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or (
-            chunk_size < 1):
-        raise ValueError(f'chunk_size must be an integer >= 1; got '
-                         f'{chunk_size!r}.')
+    chunk_size = _validate.integer('chunk_size', chunk_size, 1)
 
     m1 = basis.num_principal_blocks if basis is not None else 0
     l2 = np.empty(n)

@@ -34,14 +34,12 @@ from scipy import linalg
 import tensorflow as tf
 
 from tf_twice import _validate
-from tf_twice.mechanism.basis import DEFAULT_ORTHONORMALITY_TOLERANCE
-from tf_twice.mechanism.basis import HybridBasis
+from tf_twice.hybrid import gradients as gradients_lib
 # The structure checks and sizes that HybridBasis applies, reused so that a
 # learned basis is checked against the same rules as one built by hand.
-from tf_twice.mechanism.basis import ArrayLike
-from tf_twice.mechanism.basis import _check_groups
-from tf_twice.mechanism.basis import _check_shapes
-from tf_twice.mechanism.basis import _size
+from tf_twice.mechanism import basis_layout
+from tf_twice.mechanism.basis import DEFAULT_ORTHONORMALITY_TOLERANCE
+from tf_twice.mechanism.basis import HybridBasis
 
 __all__ = [
     'DEFAULT_POWER_ITERATIONS',
@@ -185,38 +183,7 @@ def _apportion(total: int, weights: np.ndarray,
 # Public gradients as group matrices.
 
 
-def _as_per_variable(public_gradients, variable_shapes) -> List[np.ndarray]:
-    if callable(public_gradients):
-        public_gradients = public_gradients()
-    if isinstance(public_gradients, (np.ndarray, tf.Tensor)):
-        matrix = np.asarray(public_gradients, dtype=np.float32)
-        if matrix.ndim != 2:
-            raise ValueError(
-                'public_gradients as one array must be 2-D [k_pub, d]; got '
-                f'shape {matrix.shape}.')
-        if variable_shapes is None:
-            return [matrix]
-        shapes = _check_shapes(variable_shapes)
-        sizes = [_size(s) for s in shapes]
-        if sum(sizes) != matrix.shape[1]:
-            raise ValueError(
-                f'variable_shapes must cover d = {matrix.shape[1]} '
-                f'coordinates; they cover {sum(sizes)}.')
-        pieces = np.split(matrix, np.cumsum(sizes)[:-1], axis=1)
-        return [p.reshape((-1,) + s) for p, s in zip(pieces, shapes)]
-    per_variable = [np.asarray(t, dtype=np.float32) for t in public_gradients]
-    if not per_variable:
-        raise ValueError('public_gradients must hold at least one variable.')
-    if variable_shapes is not None:
-        shapes = _check_shapes(variable_shapes)
-        if [t.shape[1:] for t in per_variable] != list(shapes):
-            raise ValueError(
-                'variable_shapes must match the public gradients; got '
-                f'{variable_shapes!r}.')
-    return per_variable
-
-
-def group_matrices(per_variable: Sequence[ArrayLike],
+def group_matrices(per_variable: Sequence[basis_layout.ArrayLike],
                    groups: Optional[Sequence[Sequence[int]]] = None
                    ) -> List[np.ndarray]:
     """Per-variable [k, *shape_v] arrays -> per-group [k, d_g] float32.
@@ -234,7 +201,7 @@ def group_matrices(per_variable: Sequence[ArrayLike],
             f'got shapes {[a.shape for a in arrays]}.')
     if groups is None:
         groups = [list(range(len(arrays)))]
-    groups = _check_groups(groups, len(arrays))
+    groups = basis_layout.check_groups(groups, len(arrays))
     return [np.ascontiguousarray(np.concatenate(
         [arrays[v].reshape(n, -1) for v in group], axis=1))
         for group in groups]
@@ -379,22 +346,20 @@ def learn_basis(
       seed: seed of the random starts.
       orthonormality_tolerance: passed to ``HybridBasis``.
     """
-    per_variable = _as_per_variable(public_gradients, variable_shapes)
+    if callable(public_gradients):
+        public_gradients = public_gradients()
+    per_variable = gradients_lib.read_gradients(
+        public_gradients, 'public_gradients', layout='per_variable',
+        variable_shapes=variable_shapes)
     n = per_variable[0].shape[0]
-    if n < 1 or any(t.shape[0] != n for t in per_variable):
-        raise ValueError(
-            'public_gradients must hold the same k_pub >= 1 examples for '
-            f'every variable; got shapes {[t.shape for t in per_variable]}.')
-    if not all(np.all(np.isfinite(t)) for t in per_variable):
-        raise ValueError('public_gradients must be finite.')
     shapes = [tuple(t.shape[1:]) for t in per_variable]
-    sizes = [_size(s) for s in shapes]
+    sizes = [basis_layout.size(s) for s in shapes]
     if groups is None:
         groups = [list(range(len(per_variable)))]
     elif isinstance(groups, numbers.Integral) and not isinstance(groups,
                                                                  bool):
         groups = partition_variables(sizes, groups)
-    groups = _check_groups(groups, len(per_variable))
+    groups = basis_layout.check_groups(groups, len(per_variable))
     dims = [sum(sizes[v] for v in group) for group in groups]
     power_iterations = _validate.integer('power_iterations', power_iterations,
                                          1)

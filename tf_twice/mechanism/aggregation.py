@@ -42,23 +42,26 @@ with one block the numbers are exactly those of the block functions for the
 same key (block 0 uses the single-block streams).
 
 Validation. These functions are public and take raw numbers, so they check
-their arguments (``validate_params``, per block) although the training paths
-pass a ``TwiceSamplingConfig`` that is already validated: the checks are
-host-side Python, run when a step is traced, not in the step's graph.
+their arguments (``validate_params``, per block; see ``arguments``) although
+the training paths pass a ``TwiceSamplingConfig`` that is already validated:
+the checks are host-side Python, run when a step is traced, not in the step's
+graph. The per-tensor clip, mask and sum kernels are in ``kernels``.
 """
 
-import math
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from tf_twice import _validate
-from tf_twice import config as config_lib
-# The q2 arithmetic and the block limit belong to the TF-free config; the
-# kernel uses the same definitions.
+# The q2 arithmetic belongs to the TF-free config; the kernel uses the same
+# definition.
 from tf_twice.config import effective_coordinate_sampling_rate
-from tf_twice.config import MAX_BLOCKS
+from tf_twice.mechanism import kernels
 from tf_twice.mechanism import randomness
+from tf_twice.mechanism.arguments import check_blocks
+from tf_twice.mechanism.arguments import per_block
+from tf_twice.mechanism.arguments import validate_each_block
+# Public here, where users import it from.
+from tf_twice.mechanism.arguments import validate_params
 from tf_twice.mechanism.randomness import TensorLike
 
 __all__ = [
@@ -68,217 +71,6 @@ __all__ = [
     'clipped_masked_sum',
     'validate_params',
 ]
-
-
-def validate_params(
-    *,
-    l2_norm_clip: Optional[float] = None,
-    linf_norm_clip: Optional[float] = None,
-    noise_multiplier: Optional[float] = None,
-    coordinate_sampling_rate: Optional[float] = None,
-    expected_batch_size: Optional[float] = None,
-) -> None:
-    """Raises ValueError naming the first argument outside its allowed range.
-
-    The kernel's explicit arguments get the config's checks
-    (``tf_twice._validate``); arguments left as None are not checked
-    (``linf_norm_clip=None`` means "no l-infinity clipping"). Noise 0 is
-    allowed here: the config decides whether a run may be noise-free.
-    """
-    if l2_norm_clip is not None:
-        _validate.positive('l2_norm_clip', l2_norm_clip)
-    if linf_norm_clip is not None:
-        _validate.positive('linf_norm_clip', linf_norm_clip)
-    if noise_multiplier is not None:
-        _validate.non_negative('noise_multiplier', noise_multiplier)
-    if coordinate_sampling_rate is not None:
-        config_lib.check_coordinate_sampling_rate(coordinate_sampling_rate)
-    if expected_batch_size is not None:
-        _validate.positive('expected_batch_size', expected_batch_size)
-
-
-def _num_elements(shape: Sequence[int]) -> int:
-    return int(math.prod(int(s) for s in shape))
-
-
-def _check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    # A weight above 1 would scale an example's contribution past the clip
-    # bound, so it is refused rather than silently accepted.
-    weights = tf.reshape(tf.cast(weights, dtype), [-1])
-    in_range = tf.reduce_all(
-        tf.logical_and(weights >= 0, weights <= 1))
-    check = tf.debugging.Assert(in_range, [
-        'per-example weights must be in [0, 1] (1 real, 0 padding); a larger '
-        'weight would break the sensitivity bound. Got min/max:',
-        tf.reduce_min(weights), tf.reduce_max(weights)
-    ])
-    with tf.control_dependencies([check]):
-        return tf.identity(weights)
-
-
-def _squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Per-example squared l2 norm [B] over all tensors of one block."""
-    # A row-wise dot product reads g once; tf.square would first write a
-    # second [B, d] copy (measured: half the CPU time for [64, 79530]).
-    squares = []
-    for g in grads:
-        d = _num_elements(g.shape[1:])
-        if d > 0:
-            flat = tf.reshape(g, [-1, d])
-            squares.append(tf.einsum('bi,bi->b', flat, flat))
-    if not squares:  # Only empty tensors: every example has norm 0.
-        return tf.zeros([tf.shape(grads[0])[0]], grads[0].dtype)
-    return tf.add_n(squares)
-
-
-def _clip_scale(sq_norm: tf.Tensor, finite: tf.Tensor,
-                l2_norm_clip: float) -> tf.Tensor:
-    """Per-example l2 clip factors of one block: min(1, c2 / ||g_i||) where
-    ``finite``, 0 elsewhere."""
-    norm = tf.sqrt(tf.where(finite, sq_norm, tf.zeros_like(sq_norm)))
-    c2 = tf.constant(l2_norm_clip, sq_norm.dtype)
-    return tf.where(finite, c2 / tf.maximum(norm, c2), tf.zeros_like(norm))
-
-
-def _drop_non_finite(grads: Sequence[tf.Tensor],
-                     finite: tf.Tensor) -> List[tf.Tensor]:
-    # 0 * NaN is NaN, so non-finite examples must be zeroed, not scaled. The
-    # full-size select only runs when such an example is present.
-    def _zeroed():
-        out = []
-        for g in grads:
-            keep = tf.reshape(finite, [-1] + [1] * (g.shape.rank - 1))
-            out.append(tf.where(keep, g, tf.zeros_like(g)))
-        return out
-
-    return tf.cond(
-        tf.reduce_all(finite), lambda: [tf.identity(g) for g in grads],
-        _zeroed)
-
-
-def _clip_and_mask(
-    flat: tf.Tensor,
-    scale: tf.Tensor,
-    mask: Optional[tf.Tensor],
-    key: Optional[tf.Tensor],
-    offset: tf.Tensor,
-    stream: int,
-    coordinate_sampling_rate: float,
-    linf_norm_clip: Optional[float],
-) -> tf.Tensor:
-    """The elementwise part on one [B, d] tensor: mask * clip_inf(scale * g).
-
-    Without l-infinity clipping the scale is left to the caller's
-    matrix-vector product (masking commutes with a per-row scale).
-    """
-    if linf_norm_clip is not None:
-        c_inf = tf.constant(linf_norm_clip, flat.dtype)
-        flat = tf.clip_by_value(flat * scale[:, None], -c_inf, c_inf)
-    if mask is None and coordinate_sampling_rate < 1:
-        mask = randomness.row_masks(key, stream, tf.shape(flat)[0], offset,
-                                    flat.shape[1], coordinate_sampling_rate)
-    if mask is not None:
-        flat = tf.where(mask, flat, tf.zeros_like(flat))
-    return flat
-
-
-# One fused XLA kernel for mask generation, clipping and selection: on CPU it
-# avoids materialising the random bits and several [B, d] intermediates.
-_clip_and_mask_fused = tf.function(_clip_and_mask, jit_compile=True)
-
-
-def _sum_block(
-    grads: Sequence[tf.Tensor],
-    scale: tf.Tensor,
-    weights: Optional[tf.Tensor],
-    linf_norm_clip: Optional[float],
-    coordinate_sampling_rate: float,
-    masks: Optional[Sequence[tf.Tensor]],
-    key: Optional[tf.Tensor],
-    example_offset: TensorLike,
-    jit_compile: bool,
-    block: int = 0,
-) -> List[tf.Tensor]:
-    """sum_i w_i * mask_i * clip_inf(scale_i * g_i) for each tensor of a block.
-
-    Tensor k of block ``block`` draws its masks from
-    ``randomness.mask_stream(block, k)``.
-    """
-    offset = tf.cast(example_offset, tf.int64)
-    elementwise = _clip_and_mask_fused if jit_compile else _clip_and_mask
-    sums = []
-    for k, g in enumerate(grads):
-        d = _num_elements(g.shape[1:])
-        if d == 0:  # E.g. a group with no column in this principal block.
-            sums.append(tf.zeros(g.shape[1:], g.dtype))
-            continue
-        flat = tf.reshape(g, [-1, d])
-        mask = None if masks is None else tf.reshape(masks[k], [-1, d])
-        if linf_norm_clip is None:
-            coef = scale if weights is None else scale * weights
-        else:
-            coef = weights
-        if linf_norm_clip is not None or coordinate_sampling_rate < 1 or (
-                mask is not None):
-            flat = elementwise(flat, scale, mask, key, offset,
-                               randomness.mask_stream(block, k),
-                               coordinate_sampling_rate, linf_norm_clip)
-        if coef is None:
-            total = tf.reduce_sum(flat, axis=0)
-        else:
-            total = tf.linalg.matvec(flat, coef, transpose_a=True)
-        sums.append(tf.reshape(total, g.shape[1:]))
-    return sums
-
-
-def _validate_each_block(**per_block_values: list) -> None:
-    """``validate_params`` on block j's values of each named argument; the
-    error names the block."""
-    for j, values in enumerate(zip(*per_block_values.values())):
-        try:
-            validate_params(**dict(zip(per_block_values, values)))
-        except ValueError as err:
-            raise ValueError(f'block {j}: {err}') from err
-
-
-def _per_block(name: str, values, num_blocks: int) -> list:
-    """A per-block argument as a list of length ``num_blocks``."""
-    if values is None:
-        return [None] * num_blocks
-    if isinstance(values, (str, bytes)) or not isinstance(
-            values, Sequence) and not hasattr(values, 'tolist'):
-        raise ValueError(
-            f'{name} must be a sequence with one entry per block '
-            f'({num_blocks}), got {values!r}.')
-    values = list(values.tolist() if hasattr(values, 'tolist') else values)
-    if len(values) != num_blocks:
-        raise ValueError(
-            f'{name} must have one entry per block ({num_blocks}), got '
-            f'{len(values)}.')
-    return values
-
-
-def _check_blocks(blocks) -> List[List[tf.Tensor]]:
-    if isinstance(blocks, (tf.Tensor, str)) or not blocks:
-        raise ValueError('blocks must be a non-empty sequence of blocks, '
-                         'each a non-empty list of tensors [B, ...].')
-    if len(blocks) > MAX_BLOCKS:
-        raise ValueError(f'blocks must hold at most {MAX_BLOCKS} blocks, got '
-                         f'{len(blocks)}.')
-    out = []
-    for j, block in enumerate(blocks):
-        tensors = [tf.convert_to_tensor(g) for g in block]
-        if not tensors:
-            raise ValueError(f'blocks[{j}] must contain at least one tensor.')
-        randomness.check_block_index(j, len(tensors))
-        for g in tensors:
-            if g.shape.rank is None or g.shape.rank < 1 or (
-                    not g.shape[1:].is_fully_defined()):
-                raise ValueError(
-                    'per-example tensors must have static shapes [B, *shape]; '
-                    f'got {g.shape} in blocks[{j}].')
-        out.append(tensors)
-    return out
 
 
 def clipped_masked_block_sums(
@@ -323,15 +115,15 @@ def clipped_masked_block_sums(
     non-finite squared norm is dropped from every block (it contributes
     exactly zero, inside every block's sensitivity set).
     """
-    blocks = _check_blocks(blocks)
+    blocks = check_blocks(blocks)
     num_blocks = len(blocks)
-    clips = _per_block('l2_norm_clips', l2_norm_clips, num_blocks)
-    linf = _per_block('linf_norm_clips', linf_norm_clips, num_blocks)
-    _validate_each_block(l2_norm_clip=clips, linf_norm_clip=linf)
+    clips = per_block('l2_norm_clips', l2_norm_clips, num_blocks)
+    linf = per_block('linf_norm_clips', linf_norm_clips, num_blocks)
+    validate_each_block(l2_norm_clip=clips, linf_norm_clip=linf)
     validate_params(coordinate_sampling_rate=coordinate_sampling_rate)
     dtype = blocks[0][0].dtype
     if masks is not None:
-        masks = _per_block('masks', masks, num_blocks)
+        masks = per_block('masks', masks, num_blocks)
         for j, (block, block_masks) in enumerate(zip(blocks, masks)):
             if len(block_masks) != len(block):
                 raise ValueError(
@@ -344,17 +136,17 @@ def clipped_masked_block_sums(
             'key (from draw_step_key) or masks is required when '
             f'coordinate_sampling_rate < 1, got {coordinate_sampling_rate}.')
     if weights is not None:
-        weights = _check_weights(weights, dtype)
+        weights = kernels.check_weights(weights, dtype)
 
-    sq_norms = [_squared_norms(block) for block in blocks]
+    sq_norms = [kernels.squared_norms(block) for block in blocks]
     finite = tf.math.is_finite(sq_norms[0])
     for sq_norm in sq_norms[1:]:
         finite = tf.logical_and(finite, tf.math.is_finite(sq_norm))
     sums = []
     for j, block in enumerate(blocks):
-        scale = _clip_scale(sq_norms[j], finite, clips[j])
-        block = _drop_non_finite(block, finite)
-        sums.append(_sum_block(
+        scale = kernels.clip_scale(sq_norms[j], finite, clips[j])
+        block = kernels.drop_non_finite(block, finite)
+        sums.append(kernels.sum_block(
             block, scale, weights, linf[j], coordinate_sampling_rate,
             None if masks is None else masks[j], key, example_offset,
             jit_compile, block=j))
@@ -470,13 +262,13 @@ def add_block_noise_and_normalize(
     num_blocks = len(block_sums)
     if num_blocks < 1:
         raise ValueError('block_sums must hold at least one block.')
-    clips = _per_block('l2_norm_clips', l2_norm_clips, num_blocks)
-    zs = _per_block('noise_multipliers', noise_multipliers, num_blocks)
-    _validate_each_block(l2_norm_clip=clips, noise_multiplier=zs)
+    clips = per_block('l2_norm_clips', l2_norm_clips, num_blocks)
+    zs = per_block('noise_multipliers', noise_multipliers, num_blocks)
+    validate_each_block(l2_norm_clip=clips, noise_multiplier=zs)
     validate_params(coordinate_sampling_rate=coordinate_sampling_rate,
                     expected_batch_size=expected_batch_size)
     if noise is not None:
-        noise = _per_block('noise', noise, num_blocks)
+        noise = per_block('noise', noise, num_blocks)
     denom = expected_batch_size * effective_coordinate_sampling_rate(
         coordinate_sampling_rate)
     out = []

@@ -18,9 +18,11 @@ single dense basis needs d * k floats (k = sum_j r_j; ResNet22 at k = 3,250:
 groups and an equal rank split.
 
 This module holds a basis and applies it (``HybridBasis``: TensorFlow ops
-usable in a traced step). Learning one from public gradients is host-side
-numpy in ``tf_twice.hybrid.learning``; computing those gradients from a Keras
-model is ``tf_twice.keras.basis_refresh``.
+usable in a traced step); ``basis_layout`` checks its structure and moves
+tensors between per-variable, per-group and flat layouts, and ``basis_io`` is
+its file format. Learning one from public gradients is host-side numpy in
+``tf_twice.hybrid.learning``; computing those gradients from a Keras model is
+``tf_twice.keras.basis_refresh``.
 
 Privacy. A basis must depend only on public data and on the current model
 (itself a DP output, so using it is post-processing). Given such a basis, the
@@ -33,15 +35,18 @@ does, so it is checked on construction.
 from __future__ import annotations
 
 import json
-import math
 import types
-from typing import (Any, List, Mapping, NamedTuple, Optional, Sequence, Tuple,
-                    Union)
+from typing import Any, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from tf_twice import _validate
+from tf_twice.mechanism import basis_io
+from tf_twice.mechanism import basis_layout
+from tf_twice.mechanism.basis_layout import ArrayLike
+# Public here, where users import it from.
+from tf_twice.mechanism.basis_layout import basis_memory_bytes
 
 __all__ = [
     'DEFAULT_ORTHONORMALITY_TOLERANCE',
@@ -55,9 +60,6 @@ __all__ = [
 # float32 (error ~1e-7); the slack admits user bases orthonormalised in
 # float32.
 DEFAULT_ORTHONORMALITY_TOLERANCE = 1e-4
-_FORMAT_VERSION = 1
-
-ArrayLike = Union[np.ndarray, tf.Tensor]
 
 
 class Projection(NamedTuple):
@@ -74,62 +76,6 @@ class Projection(NamedTuple):
 
     coefficients: List[List[tf.Tensor]]
     residual: List[tf.Tensor]
-
-
-def _check_groups(groups: Sequence[Sequence[int]],
-                  num_variables: int) -> Tuple[Tuple[int, ...], ...]:
-    """Checks that ``groups`` partitions range(num_variables)."""
-    try:
-        normalised = tuple(
-            tuple(_validate.integer('groups entries', v, 0) for v in group)
-            for group in groups)
-    except TypeError as err:
-        raise ValueError(
-            'groups must be a sequence of sequences of variable indices; '
-            f'got {groups!r}.') from err
-    if not normalised or any(not group for group in normalised):
-        raise ValueError(
-            f'groups must be non-empty lists of variable indices; got '
-            f'{groups!r}.')
-    flat = sorted(v for group in normalised for v in group)
-    if flat != list(range(num_variables)):
-        raise ValueError(
-            'groups must partition the variable indices 0..'
-            f'{num_variables - 1}, each exactly once; got {groups!r}.')
-    return normalised
-
-
-def _check_shapes(
-        variable_shapes: Sequence[Sequence[int]]) -> Tuple[Tuple[int, ...],
-                                                           ...]:
-    shapes = tuple(
-        tuple(_validate.integer('variable_shapes entries', s, 1)
-              for s in shape)
-        for shape in variable_shapes)
-    if not shapes:
-        raise ValueError('variable_shapes must name at least one variable.')
-    return shapes
-
-
-def _size(shape: Sequence[int]) -> int:
-    return int(math.prod(shape))
-
-
-def basis_memory_bytes(group_dims: Sequence[int],
-                       group_ranks: Sequence[Sequence[int]],
-                       bytes_per_float: int = 4) -> int:
-    """Bytes of a block-diagonal basis: sum_g d_g * k_g * bytes_per_float.
-
-    Computed from shapes only (nothing is allocated), e.g. to size a basis
-    before learning it: ResNet22 (d = 291,898) with k = 3,250 in one group is
-    291,898 * 3,250 * 4 bytes = 3.8 GB.
-    """
-    if len(group_dims) != len(group_ranks):
-        raise ValueError(
-            'group_dims and group_ranks must have one entry per group; got '
-            f'{len(group_dims)} and {len(group_ranks)}.')
-    return int(sum(int(d) * int(sum(r)) * int(bytes_per_float)
-                   for d, r in zip(group_dims, group_ranks)))
 
 
 def _orthonormality_error(u: np.ndarray) -> float:
@@ -202,7 +148,7 @@ class HybridBasis:
                 raise ValueError(
                     'variable_shapes is required when groups is given.')
             variable_shapes = [(m.shape[0],) for m in matrices]
-        shapes = _check_shapes(variable_shapes)
+        shapes = basis_layout.check_shapes(variable_shapes)
         if groups is None:
             if len(shapes) != len(matrices):
                 raise ValueError(
@@ -210,7 +156,7 @@ class HybridBasis:
                     f'group matrix; got {len(shapes)} variables and '
                     f'{len(matrices)} matrices.')
             groups = [[g] for g in range(len(matrices))]
-        groups = _check_groups(groups, len(shapes))
+        groups = basis_layout.check_groups(groups, len(shapes))
         if len(groups) != len(matrices):
             raise ValueError(
                 f'group_matrices must have one matrix per group '
@@ -231,14 +177,11 @@ class HybridBasis:
             raise ValueError(
                 'every principal block needs total rank >= 1 over the '
                 f'groups; got block ranks {totals}.')
-        tolerance = float(orthonormality_tolerance)
-        if not (tolerance > 0 and math.isfinite(tolerance)):
-            raise ValueError(
-                'orthonormality_tolerance must be a finite number > 0; got '
-                f'{orthonormality_tolerance!r}.')
+        tolerance = _validate.positive('orthonormality_tolerance',
+                                       orthonormality_tolerance)
         dims = []
         for g, (m, group, row) in enumerate(zip(matrices, groups, ranks)):
-            d_g = sum(_size(shapes[v]) for v in group)
+            d_g = sum(basis_layout.size(shapes[v]) for v in group)
             if m.shape != (d_g, sum(row)):
                 raise ValueError(
                     f'group_matrices[{g}] must have shape (d_g, k_g) = '
@@ -402,71 +345,24 @@ class HybridBasis:
 
     def flatten(self, per_variable: Sequence[ArrayLike]) -> List[tf.Tensor]:
         """Per-variable tensors [..., *shape_v] -> per-group [..., d_g]."""
-        if len(per_variable) != self.num_variables:
-            raise ValueError(
-                f'per_variable must have {self.num_variables} tensors (one '
-                f'per variable); got {len(per_variable)}.')
-        flat = []
-        for v, t in enumerate(per_variable):
-            t = tf.convert_to_tensor(t)
-            shape = self._variable_shapes[v]
-            lead = t.shape.rank - len(shape)
-            if lead < 0 or tuple(t.shape[lead:]) != shape:
-                raise ValueError(
-                    f'per_variable[{v}] must end in shape {shape}; got '
-                    f'{t.shape}.')
-            flat.append(_reshape_tail(t, lead, [_size(shape)]))
-        return [flat[group[0]] if len(group) == 1 else
-                tf.concat([flat[v] for v in group], axis=-1)
-                for group in self._groups]
+        return basis_layout.flatten(per_variable, self._groups,
+                                    self._variable_shapes)
 
     def unflatten(self, per_group: Sequence[ArrayLike]) -> List[tf.Tensor]:
         """Per-group tensors [..., d_g] -> per-variable [..., *shape_v]."""
-        per_group = self._check_per_group('per_group', per_group)
-        out: List[Optional[tf.Tensor]] = [None] * self.num_variables
-        for group, t in zip(self._groups, per_group):
-            sizes = [_size(self._variable_shapes[v]) for v in group]
-            pieces = tf.split(t, sizes, axis=-1) if len(group) > 1 else [t]
-            for v, piece in zip(group, pieces):
-                out[v] = _reshape_tail(piece, piece.shape.rank - 1,
-                                       list(self._variable_shapes[v]))
-        return out
+        return basis_layout.unflatten(
+            basis_layout.check_per_group('per_group', per_group,
+                                         self._group_dims),
+            self._groups, self._variable_shapes)
 
     def split_flat(self, x: ArrayLike) -> List[tf.Tensor]:
         """[..., d] in natural order (variables 0..V-1) -> per group."""
-        x = tf.convert_to_tensor(x)
-        if x.shape.rank is None or x.shape[-1] != self.dim:
-            raise ValueError(f'x must have last dimension d = {self.dim}; got '
-                             f'shape {x.shape}.')
-        sizes = [_size(s) for s in self._variable_shapes]
-        pieces = tf.split(x, sizes, axis=-1) if len(sizes) > 1 else [x]
-        return [pieces[group[0]] if len(group) == 1 else
-                tf.concat([pieces[v] for v in group], axis=-1)
-                for group in self._groups]
+        return basis_layout.split_flat(x, self._groups, self._variable_shapes)
 
     def merge_flat(self, per_group: Sequence[ArrayLike]) -> tf.Tensor:
         """Per group [..., d_g] -> [..., d] in natural variable order."""
-        per_variable = self.unflatten(per_group)
-        return tf.concat([
-            _reshape_tail(t, t.shape.rank - len(s), [_size(s)])
-            for t, s in zip(per_variable, self._variable_shapes)], axis=-1)
-
-    def _check_per_group(self, name: str,
-                         per_group: Sequence[ArrayLike]) -> List[tf.Tensor]:
-        if len(per_group) != self.num_groups:
-            raise ValueError(
-                f'{name} must have {self.num_groups} tensors (one per group); '
-                f'got {len(per_group)}.')
-        out = []
-        for g, t in enumerate(per_group):
-            t = tf.convert_to_tensor(t)
-            if t.shape.rank is None or t.shape.rank < 1 or (
-                    t.shape[-1] != self._group_dims[g]):
-                raise ValueError(
-                    f'{name}[{g}] must have last dimension d_g = '
-                    f'{self._group_dims[g]}; got shape {t.shape}.')
-            out.append(t)
-        return out
+        return basis_layout.merge_flat(self.unflatten(per_group),
+                                       self._variable_shapes)
 
     # Projection.
 
@@ -485,7 +381,9 @@ class HybridBasis:
         orthonormality is the caller's to keep (assign only values of a
         ``HybridBasis`` of the same ``structure``).
         """
-        per_group = self._check_per_group('flat_per_group', flat_per_group)
+        per_group = basis_layout.check_per_group('flat_per_group',
+                                                 flat_per_group,
+                                                 self._group_dims)
         coefficients: List[List[tf.Tensor]] = [
             [] for _ in range(self.num_principal_blocks)]
         residual = []
@@ -509,7 +407,8 @@ class HybridBasis:
         ``matrices`` as in ``project``.
         """
         matrices = self._resolve_matrices(matrices)
-        residual = self._check_per_group('residual', residual)
+        residual = basis_layout.check_per_group('residual', residual,
+                                                self._group_dims)
         if len(coefficients) != self.num_principal_blocks:
             raise ValueError(
                 f'coefficients must have {self.num_principal_blocks} blocks; '
@@ -558,54 +457,23 @@ class HybridBasis:
 
     def save(self, path_or_file) -> None:
         """Writes the basis as an .npz (exactly at the given path)."""
-        meta = {
-            'format_version': _FORMAT_VERSION,
-            'groups': [list(g) for g in self._groups],
-            'variable_shapes': [list(s) for s in self._variable_shapes],
-            'group_ranks': [list(r) for r in self._group_ranks],
-            'orthonormality_tolerance': self._tolerance,
-            'metadata': dict(self._metadata),
-        }
-        arrays = {f'group_{g}': m.numpy()
-                  for g, m in enumerate(self._matrices)}
-        arrays['meta'] = np.array(json.dumps(meta))
-        if isinstance(path_or_file, (str, bytes)) or hasattr(
-                path_or_file, '__fspath__'):
-            with open(path_or_file, 'wb') as f:
-                np.savez(f, **arrays)
-        else:
-            np.savez(path_or_file, **arrays)
+        basis_io.write(
+            path_or_file, [m.numpy() for m in self._matrices],
+            groups=self._groups, variable_shapes=self._variable_shapes,
+            group_ranks=self._group_ranks,
+            orthonormality_tolerance=self._tolerance,
+            metadata=self._metadata)
 
     @classmethod
     def load(cls, path_or_file,
              orthonormality_tolerance: Optional[float] = None
              ) -> 'HybridBasis':
         """Reads a basis written by ``save``; re-checks every guarantee."""
-        with np.load(path_or_file, allow_pickle=False) as data:
-            meta = json.loads(str(data['meta']))
-            if meta.get('format_version') != _FORMAT_VERSION:
-                raise ValueError(
-                    'path_or_file holds an unknown basis format version '
-                    f'{meta.get("format_version")!r}.')
-            matrices = [data[f'group_{g}']
-                        for g in range(len(meta['groups']))]
-        return cls(
-            matrices, meta['group_ranks'], groups=meta['groups'],
-            variable_shapes=meta['variable_shapes'],
-            orthonormality_tolerance=(
-                meta['orthonormality_tolerance']
-                if orthonormality_tolerance is None
-                else orthonormality_tolerance),
-            metadata=meta['metadata'])
-
-
-def _reshape_tail(t: tf.Tensor, lead: int, tail: List[int]) -> tf.Tensor:
-    """Reshapes t to t.shape[:lead] + tail, keeping static shapes."""
-    if lead == 0:
-        return tf.reshape(t, tail)
-    if lead == 1:
-        return tf.reshape(t, [-1] + tail)
-    return tf.reshape(t, tf.concat([tf.shape(t)[:lead], tail], 0))
+        stored = basis_io.read(path_or_file)
+        if orthonormality_tolerance is not None:
+            stored['orthonormality_tolerance'] = orthonormality_tolerance
+        return cls(stored.pop('group_matrices'), stored.pop('group_ranks'),
+                   **stored)
 
 
 def _times(x: tf.Tensor, u: tf.Tensor, transpose: bool = False) -> tf.Tensor:
