@@ -50,7 +50,7 @@ __all__ = ['Block', 'MASK_PRECISION_BITS', 'MAX_BLOCKS',
 MASK_PRECISION_BITS = 16
 _MASK_LEVELS = 2**MASK_PRECISION_BITS
 # Every block draws from its own Philox streams; stream numbers must fit the
-# signed 64-bit high word of the counter (mechanism/aggregation.py).
+# signed 64-bit high word of the counter (mechanism/randomness.py).
 MAX_BLOCKS = 2**22
 _FORMAT = 'tf_twice.TwiceSamplingConfig'
 
