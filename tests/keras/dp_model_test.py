@@ -116,7 +116,8 @@ def test_train_on_batch_is_refused():
 
 def test_per_example_gradients_are_computed_for_the_real_rows_only(
         monkeypatch):
-    # A batch of 11 in chunks of 4 is 4 + 4 + 3 rows, not 12 with padding.
+    # A batch of 11 in chunks of 4 is 4 + 4 + 3 rows, not 12 with padding
+    # to a multiple of 4.
     from tf_twice.keras import per_example
     rows = tf.Variable(0, dtype=tf.int32)
     original = per_example.gradients
@@ -129,12 +130,19 @@ def test_per_example_gradients_are_computed_for_the_real_rows_only(
     dp = _private(_mlp(), physical_batch_size=4)
     dp.fit(tf.data.Dataset.from_tensors(_data(11)), verbose=0)
     assert int(rows.numpy()) == 11
+    # Chunks of 32 pad the last one to a multiple of 4: 32 + 12 rows.
+    rows.assign(0)
+    dp = _private(_mlp(), physical_batch_size=32)
+    dp.fit(tf.data.Dataset.from_tensors(_data(43)), verbose=0)
+    assert int(rows.numpy()) == 44
 
 
-def test_whole_step_matches_numpy_reference():
+@pytest.mark.parametrize('physical_batch_size', [3, 24])
+def test_whole_step_matches_numpy_reference(physical_batch_size):
+    # 3: chunks of 3, 3 and 1 row; 24: one chunk of 7 rows padded to 9.
     x, y = _data(7, seed=3)
     weights = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)
-    dp = _private(_linear(), physical_batch_size=3)
+    dp = _private(_linear(), physical_batch_size=physical_batch_size)
     w0, b0 = _weights(dp)
     key = _next_key(dp)
     shapes = [w0.shape, b0.shape]
@@ -152,7 +160,7 @@ def test_whole_step_matches_numpy_reference():
 def test_microbatching_does_not_change_the_update():
     x, y = _data(10, seed=4)
     results = []
-    for physical in (3, 16):  # 4 chunks (2 rows padding) vs 1 chunk
+    for physical in (3, 16):  # 4 chunks vs 1 chunk (padded to 12 rows)
         dp = _private(_mlp(), physical_batch_size=physical)
         tiny_models.one_step(dp, x, y)
         results.append(_weights(dp))
