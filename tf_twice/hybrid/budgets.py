@@ -565,19 +565,20 @@ def plan_blocks(
                                 budget_quantile)
     else:
         if template.noise_multiplier is not None:
-            z, noise = template.noise_multiplier, 'shared'
+            z, noise_model = template.noise_multiplier, 'shared'
         else:
             # The z of the one-block mechanism (the residual's l-infinity
             # clip on the whole vector) for the same budget.
             one_block = template if residual_d0 is None else attr.evolve(
                 template, linf_norm_clip=c / math.sqrt(residual_d0))
-            z, noise = attr.evolve(config, blocks=(one_block,)).calibrate(
+            calibrated = attr.evolve(config, blocks=(one_block,)).calibrate(
                 target_epsilon=target_epsilon, delta=delta, steps=steps,
-                orders=orders, conversion=conversion).noise_multipliers[0], \
-                'per_block'
+                orders=orders, conversion=conversion)
+            z, noise_model = calibrated.noise_multipliers[0], 'per_block'
+        # The update is divided by B q2 (config.TwiceSamplingConfig).
         l2 = variance_optimal_l2_budget(
             c, statistics.alignments, statistics.direction_energies,
-            basis.block_dimensions, noise=noise,
+            basis.block_dimensions, noise=noise_model,
             noise_std=z / (config.expected_batch_size *
                            config.effective_coordinate_sampling_rate))
     d0s = [min(principal_d0, r) for r in basis.ranks]
