@@ -15,7 +15,8 @@ optimiser and global l2 clip, each with its noise calibrated to the same
 * `hybrid`: twice sampling plus hybrid clipping with a basis of rank
   `--ranks` learned from the public split (refreshed every
   `--basis_refresh_steps` steps) and per-block clips and noise from
-  `tf_twice.hybrid.plan_blocks`.
+  `tf_twice.hybrid.plan_blocks` (the l2 budget split by `--budget_split`,
+  `--budget_quantile`).
 
 Each row runs once per seed and epsilon; the tables give the median test
 accuracy, its range over the seeds, the noise multiplier(s) and the epsilon
@@ -57,6 +58,7 @@ from absl import flags
 from examples.training import console
 from examples.training import data as data_lib
 from examples.training import runner
+from examples.training import settings as settings_lib
 from tf_twice import sampling
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -77,9 +79,20 @@ Results = Dict[float, Dict[str, List[Dict[str, Any]]]]
 
 def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
                 d0: float, ranks: Sequence[int], basis_refresh_steps: int,
-                rows: Sequence[str] = ROWS) -> Dict[str, Dict[str, Any]]:
-    """The settings that differ between rows (see the module docstring)."""
+                rows: Sequence[str] = ROWS,
+                budget_split: str = settings_lib.TrainConfig.budget_split,
+                budget_quantile: Optional[float] = None
+                ) -> Dict[str, Dict[str, Any]]:
+    """The settings that differ between rows (see the module docstring).
+
+    The hybrid row names `budget_split` and `budget_quantile` only when they
+    are not the defaults, so that a --results_json written before these
+    flags existed still has this study's settings.
+    """
     q2 = coordinate_sampling_rate
+    split = settings_lib.TrainConfig(mode='hybrid', budget_split=budget_split,
+                                     budget_quantile=budget_quantile)
+    settings_lib.check_budget_split(split)
     every = {
         'dpsgd q=q1': dict(mode='dpsgd', batch_size=batch_size),
         'dpsgd q=q1*q2': dict(mode='dpsgd', batch_size=batch_size * q2),
@@ -88,7 +101,8 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
         'hybrid': dict(mode='hybrid', batch_size=batch_size,
                        coordinate_sampling_rate=q2, d0=d0,
                        ranks=tuple(ranks),
-                       basis_refresh_steps=basis_refresh_steps),
+                       basis_refresh_steps=basis_refresh_steps,
+                       **settings_lib.budget_split_settings(split)),
     }
     unknown = [row for row in rows if row not in every]
     if unknown:
@@ -288,6 +302,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_list('ranks', ['16'], 'Hybrid principal ranks.', **fv)
     flags.DEFINE_integer('basis_refresh_steps', 20, 'Hybrid basis refresh.',
                          **fv)
+    flags.DEFINE_enum('budget_split', settings_lib.TrainConfig.budget_split,
+                      list(settings_lib.BUDGET_SPLITS), 'Hybrid: how the '
+                      'global l2 budget is split over blocks '
+                      '(examples/train.py --budget_split).', **fv)
+    flags.DEFINE_float('budget_quantile', None, 'Hybrid, '
+                       '--budget_split=quantile: the public norm quantile '
+                       '(examples/train.py --budget_quantile).', **fv)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -302,7 +323,8 @@ def main(argv: Sequence[str]) -> None:
             batch_size=f.batch_size,
             coordinate_sampling_rate=f.coordinate_sampling_rate, d0=f.d0,
             ranks=[int(r) for r in f.ranks],
-            basis_refresh_steps=f.basis_refresh_steps, rows=f.rows)
+            basis_refresh_steps=f.basis_refresh_steps, rows=f.rows,
+            budget_split=f.budget_split, budget_quantile=f.budget_quantile)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     data = data_lib.load_data(f.dataset, data_dir=f.data_dir,

@@ -17,7 +17,9 @@ Modes (`--mode`):
   the training data (`--public_examples`, `--ranks`, `--parameter_groups`;
   relearned at the current weights every `--basis_refresh_steps` steps) plus
   the residual. Each block gets its own l2 budget (the global
-  `--l2_norm_clip` split by the mean public projection norms), l-infinity
+  `--l2_norm_clip` split over blocks by `--budget_split`: the mean public
+  projection norms by default, `variance_optimal` or a public norm
+  quantile, `--budget_quantile`; always sum_j c2_j^2 = c2^2), l-infinity
   clip (the residual as in `twice`, principal blocks per `--principal_d0`)
   and noise multiplier (optimised for `--target_epsilon`).
 
@@ -128,7 +130,9 @@ from examples.training import console
 from examples.training import runner
 from examples.training import settings
 from examples.training.data import DataUnavailableError
+from examples.training.settings import BUDGET_SPLITS
 from examples.training.settings import DEFAULT_BATCH_SIZE
+from examples.training.settings import DEFAULT_BUDGET_QUANTILE
 from examples.training.settings import DEFAULT_COORDINATE_SAMPLING_RATE
 from examples.training.settings import DEFAULT_D0
 from examples.training.settings import DEFAULT_EPOCHS
@@ -181,6 +185,15 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float('principal_d0', defaults.principal_d0,
                        'Hybrid: l-infinity clip c2_j / sqrt(principal_d0) '
                        'of the principal blocks (1: none).', **fv)
+    flags.DEFINE_enum('budget_split', defaults.budget_split,
+                      list(BUDGET_SPLITS),
+                      'Hybrid: how the global l2 budget is split over blocks '
+                      '(tf_twice.hybrid.plan_blocks), from public data.',
+                      **fv)
+    flags.DEFINE_float('budget_quantile', None, 'Hybrid, '
+                       '--budget_split=quantile: the public norm quantile '
+                       f'(default {DEFAULT_BUDGET_QUANTILE:g}).',
+                       **fv)
     flags.DEFINE_float('epochs', None, 'Epochs (1/q1 steps each; default '
                        f'{DEFAULT_EPOCHS}).', **fv)
     flags.DEFINE_integer('steps', None, 'Steps (instead of --epochs).', **fv)

@@ -182,6 +182,7 @@ def hybrid_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
         example_sampling_rate=plan.example_sampling_rate,
         coordinate_sampling_rate=plan.coordinate_sampling_rate,
         public_examples=int(config.public_examples))
+    record.update(settings.budget_split_settings(config))
     if config.noise_multiplier is None:
         record.update(target_epsilon=plan.target_epsilon, delta=plan.delta,
                       planned_steps=plan.planned_steps)
@@ -215,7 +216,8 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
     """Learns the basis from the PUBLIC split; sets per-block clips/noise.
 
     The per-block clips and noise are `tf_twice.hybrid.plan_blocks` of the
-    flags' one-block mechanism: l2 budgets from the public projection norms;
+    flags' one-block mechanism: l2 budgets split by `--budget_split` (and
+    `--budget_quantile`) from public statistics;
     the residual's l-infinity clip is `--linf_norm_clip` (capped at its c2)
     or c2 / sqrt(`--d0`), principal block j's is c2_j / sqrt(min(
     `--principal_d0`, r_j)); the noise is `--noise_multiplier` on every
@@ -249,7 +251,9 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
         planned = hybrid_budgets.plan_blocks(
             one_block, basis, grads,
             residual_d0=None if config.linf_norm_clip is not None else plan.d0,
-            principal_d0=float(config.principal_d0), **budget)
+            principal_d0=float(config.principal_d0),
+            budget_split=config.budget_split,
+            budget_quantile=config.budget_quantile, **budget)
     except ValueError as e:
         if not budget:
             raise

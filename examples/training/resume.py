@@ -35,6 +35,7 @@ from tf_twice import _files
 from tf_twice.keras import PrivacyLedger
 
 from examples.training.settings import PRIVATE_MODES
+from examples.training.settings import budget_split_settings
 from examples.training.settings import TrainConfig
 
 LEDGER_FILENAME = 'privacy_ledger.json'
@@ -50,7 +51,7 @@ _EVENT_FLAGS = {
     'coordinate_sampling_rate': '--coordinate_sampling_rate',
     'noise_multiplier': '--noise_multiplier (or, when calibrated, '
                         '--target_epsilon, --delta and --steps/--epochs)',
-    'l2_norm_clip': '--l2_norm_clip',
+    'l2_norm_clip': '--l2_norm_clip (hybrid: and --budget_split)',
     'linf_norm_clip': '--linf_norm_clip (or --d0, --principal_d0)',
     'block_dimensions': '--ranks (or --parameter_groups)',
 }
@@ -78,6 +79,9 @@ def mechanism_settings(config: TrainConfig, plan: Any) -> Dict[str, Any]:
         settings.update(principal_d0=float(config.principal_d0),
                         ranks=list(plan.ranks),
                         parameter_groups=config.parameter_groups)
+        # Only when not the defaults, so that run.json files written before
+        # --budget_split existed still match a default run.
+        settings.update(budget_split_settings(config))
     return json.loads(json.dumps(settings))
 
 
@@ -176,7 +180,8 @@ def check_mechanism(checkpoint_dir: str, ledger: PrivacyLedger,
                f'mechanism than these flags give: {step}. ')
     differing = [
         f'--{key}={recorded.get(key)!r} (now {settings_now.get(key)!r})'
-        for key in sorted(settings_now)
+        # Either side may lack a flag recorded only when not its default.
+        for key in sorted(set(settings_now) | set(recorded or {}))
         if recorded is not None and recorded.get(key) != settings_now.get(key)]
     if differing:
         message += 'The run was recorded with ' + ', '.join(differing) + '. '

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from tf_twice import models
+from tf_twice.hybrid import budgets as hybrid_budgets
 
 MODES = ('nonprivate', 'dpsgd', 'twice', 'hybrid')
 PRIVATE_MODES = ('dpsgd', 'twice', 'hybrid')
@@ -32,6 +33,8 @@ DEFAULT_COORDINATE_SAMPLING_RATE = 0.5
 DEFAULT_D0 = 100.0
 DEFAULT_PUBLIC_EXAMPLES = 200
 DEFAULT_RANKS = (16,)
+BUDGET_SPLITS = hybrid_budgets.BUDGET_SPLITS
+DEFAULT_BUDGET_QUANTILE = hybrid_budgets.DEFAULT_BUDGET_QUANTILE
 
 
 @dataclasses.dataclass
@@ -56,6 +59,8 @@ class TrainConfig:
     linf_norm_clip: Optional[float] = None
     d0: Optional[float] = None
     principal_d0: float = 1.0
+    budget_split: str = hybrid_budgets.DEFAULT_BUDGET_SPLIT
+    budget_quantile: Optional[float] = None
     epochs: Optional[float] = None
     steps: Optional[int] = None
     physical_batch_size: int = 64
@@ -232,6 +237,7 @@ def check_config(config: Any) -> TrainConfig:
             float(config.principal_d0)):
         raise flag_error('principal_d0', 'a finite number >= 1',
                          config.principal_d0)
+    check_budget_split(config)
     if config.epochs is not None and config.steps is not None:
         raise ValueError('give at most one of --epochs and --steps; got '
                          'both.')
@@ -262,6 +268,40 @@ def check_config(config: Any) -> TrainConfig:
         check_integer('seed', config.seed, 0)
     check_integer('verbose', config.verbose, 0)
     return config
+
+
+def check_budget_split(config: TrainConfig) -> None:
+    """--budget_split (hybrid only) and --budget_quantile (its 'quantile'
+    split only): how plan_blocks splits the global l2 budget."""
+    check_choice('budget_split', config.budget_split,
+                 BUDGET_SPLITS)
+    if (config.mode != 'hybrid' and
+            config.budget_split != hybrid_budgets.DEFAULT_BUDGET_SPLIT):
+        raise flag_error('budget_split',
+                         f'{hybrid_budgets.DEFAULT_BUDGET_SPLIT} (or unset) '
+                         f'for --mode={config.mode}; it splits hybrid '
+                         'clipping\'s l2 budget', config.budget_split)
+    if config.budget_quantile is None:
+        return
+    if config.budget_split != 'quantile':
+        raise flag_error('budget_quantile', 'unset unless '
+                         '--budget_split=quantile', config.budget_quantile)
+    if not 0.0 < check_number('budget_quantile',
+                              config.budget_quantile) <= 1.0:
+        raise flag_error('budget_quantile', 'in (0, 1]',
+                         config.budget_quantile)
+
+
+def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
+    """--budget_split and --budget_quantile, only when not the defaults:
+    records written before these flags existed stay equal to the default
+    run's (resumes and stored results stay valid)."""
+    settings: Dict[str, Any] = {}
+    if config.budget_split != hybrid_budgets.DEFAULT_BUDGET_SPLIT:
+        settings['budget_split'] = config.budget_split
+    if config.budget_quantile is not None:
+        settings['budget_quantile'] = float(config.budget_quantile)
+    return settings
 
 
 def check_lr_schedule(config: TrainConfig) -> None:

@@ -69,3 +69,33 @@ def test_accuracy_study_keeps_runs_and_plots(tmp_path):
     study.plot_accuracy(both, str(png),
                         published=study.PUBLISHED['fashion_mnist'])
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_budget_split_flags_reach_only_the_hybrid_row(tmp_path):
+    kwargs = dict(batch_size=128, coordinate_sampling_rate=0.5, d0=100,
+                  ranks=[16], basis_refresh_steps=20)
+    default = study.row_configs(**kwargs)
+    # Defaults add nothing: a --results_json written before these flags
+    # existed keeps this study's settings.
+    assert not {'budget_split', 'budget_quantile'} & set(default['hybrid'])
+    path = str(tmp_path / 'runs.json')
+    earlier = dict(steps=7, rows=default)
+    study.RunStore(path, earlier).put('a run', dict(test_accuracy=0.5))
+    assert study.RunStore(path, dict(steps=7, rows=study.row_configs(
+        **kwargs))).get('a run') == dict(test_accuracy=0.5)
+    quantile = study.row_configs(budget_split='quantile', budget_quantile=0.7,
+                                 **kwargs)
+    assert quantile['hybrid'] == dict(default['hybrid'],
+                                      budget_split='quantile',
+                                      budget_quantile=0.7)
+    assert {row: c for row, c in quantile.items() if row != 'hybrid'} == {
+        row: c for row, c in default.items() if row != 'hybrid'}
+    # Another split is another study.
+    with pytest.raises(ValueError, match='--results_json'):
+        study.RunStore(path, dict(steps=7, rows=quantile))
+    for bad, flag in ((dict(budget_split='norms'), '--budget_split'),
+                      (dict(budget_quantile=0.5), '--budget_quantile'),
+                      (dict(budget_split='quantile', budget_quantile=0.0),
+                       '--budget_quantile')):
+        with pytest.raises(ValueError, match=flag):
+            study.row_configs(**bad, **kwargs)

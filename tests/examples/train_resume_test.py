@@ -142,6 +142,41 @@ def test_hybrid_resume_keeps_the_blocks(tmp_path):
         runner.build_run(dict(config, steps=4, principal_d0=2.0), data=data)
 
 
+def test_budget_split_is_recorded_only_when_not_the_default(tmp_path):
+    """run.json files written before --budget_split existed hold no such
+    key: a default run must record none, so that they still resume."""
+    data = data_lib.load_data('digits', public_examples=50)
+    config = dict(HYBRID, target_epsilon=None, noise_multiplier=1.0,
+                  checkpoint_dir=str(tmp_path / 'run'))
+    runner.train(dict(config, steps=2), data=data)
+    record = resume.read_run_file(config['checkpoint_dir'])
+    for written in (record['mechanism_settings'],
+                    record['hybrid']['settings']):
+        assert 'principal_d0' in written
+        assert not {'budget_split', 'budget_quantile'} & set(written)
+    # Another split is another mechanism, refused by name.
+    with pytest.raises(ValueError, match=r"--budget_split=None \(now "
+                       r"'quantile'\)"):
+        runner.build_run(dict(config, steps=4, budget_split='quantile'),
+                         data=data)
+    quantile = dict(config, budget_split='quantile', budget_quantile=0.9,
+                    checkpoint_dir=str(tmp_path / 'quantile'))
+    runner.train(dict(quantile, steps=2), data=data)
+    record = resume.read_run_file(quantile['checkpoint_dir'])
+    for written in (record['mechanism_settings'],
+                    record['hybrid']['settings']):
+        assert (written['budget_split'], written['budget_quantile']) == (
+            'quantile', 0.9)
+    # Recorded on one side only: still named.
+    with pytest.raises(ValueError, match=r"--budget_split='quantile' \(now "
+                       r"None\)"):
+        runner.build_run(dict(quantile, steps=4, budget_split=
+                              'projection_norms', budget_quantile=None),
+                         data=data)
+    second = runner.train(dict(quantile, steps=4), data=data)
+    assert second['resumed_steps'] == 2
+
+
 def test_resume_refuses_a_changed_noise_naming_the_flag(digits, tmp_path):
     checkpoint_dir = str(tmp_path / 'run')
     config = dict(FAST, mode='twice', noise_multiplier=1.0,

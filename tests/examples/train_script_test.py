@@ -107,6 +107,13 @@ def test_nonprivate_mode_makes_no_claim(digits):
     (dict(lr_schedule='cosine', lr_min_fraction=1.0), '--lr_min_fraction'),
     (dict(lr_schedule='cosine', lr_decay_rate=0.5), '--lr_decay_rate'),
     (dict(lr_decay_steps=10), '--lr_decay_steps'),
+    (dict(mode='hybrid', budget_split='norms'), '--budget_split'),
+    (dict(mode='twice', budget_split='quantile'), '--budget_split'),
+    (dict(mode='hybrid', budget_quantile=0.5), '--budget_quantile'),
+    (dict(mode='hybrid', budget_split='quantile', budget_quantile=1.5),
+     '--budget_quantile'),
+    (dict(mode='hybrid', budget_split='quantile', budget_quantile='half'),
+     '--budget_quantile'),
 ])
 def test_bad_flags_are_refused_by_name(overrides, flag):
     with pytest.raises(ValueError, match=flag):
@@ -129,6 +136,10 @@ def test_command_line_flags_fill_the_config():
     assert config.dataset == 'digits' and config.target_epsilon is None
     names = {f.name for f in dataclasses.fields(settings.TrainConfig)}
     assert names <= set(flag_values)
+    flag_values(['train.py', '--mode=hybrid', '--budget_split=quantile',
+                 '--budget_quantile=0.8'])
+    config = settings.check_config(flag_values)
+    assert (config.budget_split, config.budget_quantile) == ('quantile', 0.8)
 
 
 def test_hybrid_mode_learns_a_public_basis_and_accounts_blocks(digits):
@@ -148,6 +159,26 @@ def test_hybrid_mode_learns_a_public_basis_and_accounts_blocks(digits):
     assert results['linf_norm_clip'][1] == pytest.approx(
         clips[1] / math.sqrt(settings.DEFAULT_D0))
     assert 0.0 <= results['test_accuracy'] <= 1.0
+    check_private(results, 3)
+    assert results['epsilon'] <= 8.0
+
+
+@pytest.fixture(scope='module')
+def default_hybrid_clips():
+    data = data_lib.load_data('digits', public_examples=50)
+    return runner.train(HYBRID, data=data)['l2_norm_clip']
+
+
+@pytest.mark.parametrize('split', [
+    dict(budget_split='variance_optimal'),
+    dict(budget_split='quantile', budget_quantile=0.9)])
+def test_hybrid_mode_with_each_budget_split(split, default_hybrid_clips):
+    data = data_lib.load_data('digits', public_examples=50)
+    results = runner.train(dict(HYBRID, **split), data=data)
+    clips = results['l2_norm_clip']
+    assert len(clips) == 2 and min(clips) > 0
+    assert sum(c**2 for c in clips) == pytest.approx(1.0)  # The budget.
+    assert clips != pytest.approx(default_hybrid_clips)  # The flag acts.
     check_private(results, 3)
     assert results['epsilon'] <= 8.0
 

@@ -5,7 +5,9 @@ import math
 import attr
 import numpy as np
 import pytest
+from scipy import optimize
 
+from tests import reference
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.hybrid import budgets
@@ -168,6 +170,260 @@ def test_plan_blocks_refuses_bad_arguments(basis_and_public):
         budgets.plan_blocks(_one_block(noise_multiplier=1.0), None, public)
     with pytest.raises(ValueError, match='TwiceSamplingConfig'):
         budgets.plan_blocks({'l2_norm_clip': 1.0}, basis, public)
+
+
+def _dense_blocks(basis, public):
+    """Per-block projections [k, r_j] (residual last, natural coordinates)
+    and the matrices mapping them back, from the numpy reading of the basis."""
+    g = public.astype(np.float64)
+    principal = reference.dense_principal_blocks(basis)
+    coefficients = [g @ u for u in principal]
+    residual = g - sum(a @ u.T for a, u in zip(coefficients, principal))
+    return coefficients + [residual], principal + [np.eye(g.shape[1])]
+
+
+def _rho(public, basis, l2_clips, noise_variance):
+    """The criterion variance_optimal maximises, computed directly: the
+    squared cosine-like ratio <mu, m>^2 / (||mu||^2 (||m||^2 + N)) of the
+    raw public mean mu and the hybrid-clipped public mean m plus noise."""
+    blocks, maps = _dense_blocks(basis, public)
+    clipped = sum(
+        (a * np.minimum(1.0, c2 / np.linalg.norm(a, axis=1))[:, None]) @ u.T
+        for a, u, c2 in zip(blocks, maps, l2_clips)).mean(axis=0)
+    mu = public.astype(np.float64).mean(axis=0)
+    return float(np.dot(mu, clipped)**2 / (np.dot(mu, mu) * (
+        np.dot(clipped, clipped) + noise_variance)))
+
+
+def test_public_block_statistics_match_a_dense_reading(basis_and_public):
+    basis, public = basis_and_public
+    stats = budgets.public_block_statistics(basis, public, chunk_size=7)
+    blocks, _ = _dense_blocks(basis, public)
+    norms = np.stack([np.linalg.norm(a, axis=1) for a in blocks], axis=1)
+    np.testing.assert_allclose(stats.per_example_norms, norms, rtol=1e-4)
+    units = [np.mean(a / np.linalg.norm(a, axis=1)[:, None], axis=0)
+             for a in blocks]
+    means = [np.mean(a, axis=0) for a in blocks]
+    np.testing.assert_allclose(
+        stats.alignments, [np.dot(m, u) for m, u in zip(means, units)],
+        rtol=1e-4)
+    np.testing.assert_allclose(stats.direction_energies,
+                               [np.dot(u, u) for u in units], rtol=1e-4)
+    np.testing.assert_allclose(stats.mean_norms,
+                               budgets.public_block_norms(basis, public),
+                               rtol=1e-8)
+    # The pre-clip scales each example's norms, not its direction.
+    clipped = budgets.public_block_statistics(basis, public, clip_norm=0.5)
+    totals = np.linalg.norm(public.astype(np.float64), axis=1)
+    np.testing.assert_allclose(
+        clipped.per_example_norms,
+        norms * np.minimum(1.0, 0.5 / totals)[:, None], rtol=1e-4)
+    np.testing.assert_allclose(clipped.alignments, stats.alignments,
+                               rtol=1e-6)  # float32 projections, chunked.
+
+
+def test_quantile_l2_budget():
+    rng = np.random.default_rng(3)
+    norms = np.abs(rng.standard_normal((200, 3))) * [4.0, 1.0, 0.5]
+    for q in (0.1, 0.5, 1.0):
+        split = np.array(budgets.quantile_l2_budget(2.0, norms, q))
+        assert math.isclose(float(np.sum(split**2)), 4.0, rel_tol=1e-12)
+        levels = np.quantile(norms, q, axis=0)
+        np.testing.assert_allclose(split / np.linalg.norm(split),
+                                   levels / np.linalg.norm(levels),
+                                   rtol=1e-12)
+    # A block whose quantile is 0 keeps a tiny positive budget.
+    sparse = np.concatenate([norms[:, :1], np.zeros((200, 1))], axis=1)
+    split = budgets.quantile_l2_budget(1.0, sparse, 0.5)
+    assert 0 < split[1] < 1e-5 and math.isclose(split[0], 1.0)
+    for bad in (0.0, 1.5, float('nan')):
+        with pytest.raises(ValueError, match='quantile'):
+            budgets.quantile_l2_budget(1.0, norms, bad)
+    with pytest.raises(ValueError, match='public_per_example_norms'):
+        budgets.quantile_l2_budget(1.0, norms[0], 0.5)
+    with pytest.raises(ValueError, match='public_per_example_norms'):
+        budgets.quantile_l2_budget(1.0, -norms, 0.5)
+    with pytest.raises(ValueError, match='no energy'):
+        budgets.quantile_l2_budget(1.0, np.zeros((5, 2)), 0.5)
+
+
+def _rho_model(c2, w, v, ranks, s, noise):
+    """The modelled rho, negative when the update opposes the mean."""
+    c2 = np.asarray(c2)
+    a = np.sqrt(ranks)
+    n = s**2 * (np.dot(a, c2)**2 if noise == 'per_block'
+                else np.dot(ranks, c2**2))
+    return np.dot(w, c2) * abs(np.dot(w, c2)) / (np.dot(v, c2**2) + n)
+
+
+@pytest.mark.parametrize('noise', ['per_block', 'shared'])
+def test_variance_optimal_l2_budget_maximises_its_criterion(noise):
+    rng = np.random.default_rng(5)
+    ranks = np.array([4.0, 12.0, 500.0])
+    for trial in range(12):
+        w = rng.uniform(-0.2, 1.0, 3) * [1.0, 0.5, 0.3]
+        w[0] = abs(w[0]) + 0.05
+        v = rng.uniform(0.05, 1.0, 3)
+        s = float(rng.choice([0.0, 0.01, 0.05, 0.3]))
+        split = np.array(budgets.variance_optimal_l2_budget(
+            1.5, w, v, ranks, noise_std=s, noise=noise))
+        assert math.isclose(float(np.sum(split**2)), 1.5**2, rel_tol=1e-12)
+        assert np.all(split > 0)
+        best = _rho_model(split, w, v, ranks, s, noise)
+        # Independent check: a generic optimiser from many starts, over
+        # the positive part of the sphere (angles).
+        def minus(angles):
+            x = np.array([math.cos(angles[0]) * math.cos(angles[1]),
+                          math.cos(angles[0]) * math.sin(angles[1]),
+                          math.sin(angles[0])])
+            return -_rho_model(x, w, v, ranks, s, noise)
+        found = max(-optimize.minimize(
+            minus, start, method='L-BFGS-B',
+            bounds=[(0, math.pi / 2)] * 2).fun
+            for start in rng.uniform(0, math.pi / 2, (8, 2)))
+        # (A dropped block keeps a budget of 1e-6 of the largest, whose
+        # noise costs up to ~sqrt(r_j) 1e-6 relative.)
+        assert best >= found * (1 - 1e-4), (trial, split, best, found)
+
+
+def test_variance_optimal_l2_budget_limits_and_monotonicity():
+    w, v, ranks = [0.8, 0.3, 0.2], [0.5, 0.2, 0.01], [4, 12, 500]
+    # No noise: c2_j proportional to w_j / v_j, the per-block best scale.
+    split = budgets.variance_optimal_l2_budget(1.0, w, v, ranks, noise_std=0)
+    ratio = np.array(w) / np.array(v)
+    np.testing.assert_allclose(split, ratio / np.linalg.norm(ratio),
+                               rtol=1e-9)
+    # More noise: the largest block's share shrinks, then is left out.
+    shares = [budgets.variance_optimal_l2_budget(
+        1.0, w, v, ranks, noise_std=s)[-1]
+        for s in (0.0, 0.01, 0.03, 0.1, 1.0)]
+    assert shares[0] > shares[1] > shares[2] > 1e-3
+    assert shares[3] < 1e-5 and shares[4] < 1e-5
+    # A block whose public mean direction opposes the mean gets the floor.
+    split = budgets.variance_optimal_l2_budget(1.0, [0.8, -0.1, 0.2], v,
+                                               ranks, noise_std=0.01)
+    assert split[1] < 1e-5 * max(split)
+    for kwargs, match in (
+            (dict(noise_std=-1.0), 'noise_std'),
+            (dict(noise_std=0.1, noise='mixed'), 'noise must be one of'),
+    ):
+        with pytest.raises(ValueError, match=match):
+            budgets.variance_optimal_l2_budget(1.0, w, v, ranks, **kwargs)
+    with pytest.raises(ValueError, match='direction_energies'):
+        budgets.variance_optimal_l2_budget(1.0, w, [0.5, 0.0, 0.1], ranks,
+                                           noise_std=0.1)
+    with pytest.raises(ValueError, match='ranks'):
+        budgets.variance_optimal_l2_budget(1.0, w, v, [4, 12], noise_std=0.1)
+    with pytest.raises(ValueError, match='alignment'):
+        budgets.variance_optimal_l2_budget(1.0, [-1.0, 0.0, -0.1], v, ranks,
+                                           noise_std=0.1)
+
+
+def test_variance_optimal_matches_a_brute_force_search_with_the_accountant():
+    """plan_blocks's variance_optimal split against a search over splits
+    that computes, for each, the per-block noise with the real accountant
+    (optimize_block_noise) and the clipped public mean directly.
+
+    q2 = 1 and no l-infinity clip: the regime of the paper's theorem, where
+    the model is exact; public gradients all clipped (norms > c)."""
+    rng = np.random.default_rng(0)
+    v = np.linalg.qr(rng.standard_normal((D, 8)))[0]
+    s = (rng.standard_normal((80, 8)) * np.geomspace(3, 0.5, 8) +
+         [2.0, 1.0, 0, 0, 0, 0, 0, 0])
+    public = (s @ v.T + 0.3 * rng.standard_normal((80, D))).astype(np.float32)
+    basis = learning.learn_basis(public, [3], seed=1)
+    c, batch, budget = 0.2, 200.0, dict(target_epsilon=8.0, delta=1e-5,
+                                       steps=50)
+    stats = budgets.public_block_statistics(basis, public)
+    assert np.min(stats.per_example_norms) > c
+    config = TwiceSamplingConfig(num_examples=1000, expected_batch_size=batch,
+                                 blocks=(Block(l2_norm_clip=c),))
+
+    def rho(l2_clips):
+        z = budgets.hybrid_noise_multipliers(
+            basis, l2_clips, example_sampling_rate=batch / 1000,
+            coordinate_sampling_rate=1.0, **budget)
+        variance = sum(r * (zj * c2)**2 for r, zj, c2 in zip(
+            basis.block_dimensions, z, l2_clips)) / batch**2
+        return _rho(public, basis, l2_clips, variance)
+
+    def minus_rho(angle):
+        return -rho((c * math.cos(angle), c * math.sin(angle)))
+
+    grid = np.linspace(0.02, math.pi / 2 - 0.02, 12)
+    i = int(np.argmin([minus_rho(a) for a in grid]))
+    search = optimize.minimize_scalar(
+        minus_rho, bounds=(grid[max(i - 1, 0)], grid[min(i + 1, 11)]),
+        method='bounded', options=dict(xatol=1e-4))
+    planned = budgets.plan_blocks(config, basis, public,
+                                  budget_split='variance_optimal', **budget)
+    c2 = planned.l2_norm_clips
+    assert math.isclose(c2[0]**2 + c2[1]**2, c**2, rel_tol=1e-12)
+    # The optimum is inside, not at a floor, and the same split.
+    assert 0.1 < search.x < 1.4
+    assert math.atan2(c2[1], c2[0]) == pytest.approx(search.x, abs=0.01)
+    assert rho(c2) >= -search.fun * (1 - 1e-6)
+    # And it is worth it: the projection-norm split scores clearly lower.
+    default = budgets.plan_blocks(config, basis, public, **budget)
+    assert rho(default.l2_norm_clips) < rho(c2) - 0.005
+
+
+@pytest.mark.parametrize('split', budgets.BUDGET_SPLITS)
+def test_plan_blocks_splits_keep_the_global_l2_ball(basis_and_public, split):
+    basis, public = basis_and_public
+    for config, budget in ((_one_block(l2_norm_clip=2.0,
+                                       noise_multiplier=1.3), {}),
+                           (_one_block(l2_norm_clip=2.0,
+                                       linf_norm_clip=0.05), BUDGET)):
+        planned = budgets.plan_blocks(config, basis, public,
+                                      budget_split=split, **budget)
+        clips = np.array(planned.l2_norm_clips)
+        assert np.all(clips > 0)
+        assert math.isclose(float(np.sum(clips**2)), 4.0, rel_tol=1e-12)
+        if budget:
+            eps = planned.epsilon(BUDGET['steps'], BUDGET['delta'])
+            assert eps <= BUDGET['target_epsilon']
+
+
+def test_plan_blocks_quantile_and_variance_optimal_splits(basis_and_public):
+    basis, public = basis_and_public
+    config = _one_block(l2_norm_clip=2.0, noise_multiplier=1.3)
+    stats = budgets.public_block_statistics(basis, public, clip_norm=2.0)
+    for q in (None, 0.9):
+        planned = budgets.plan_blocks(config, basis, public,
+                                      budget_split='quantile',
+                                      budget_quantile=q)
+        np.testing.assert_allclose(
+            planned.l2_norm_clips,
+            budgets.quantile_l2_budget(2.0, stats.per_example_norms,
+                                       0.5 if q is None else q), rtol=1e-12)
+    # With the config's z, the noise is shared: s = z / (B q2).
+    planned = budgets.plan_blocks(config, basis, public,
+                                  budget_split='variance_optimal')
+    np.testing.assert_allclose(
+        planned.l2_norm_clips,
+        budgets.variance_optimal_l2_budget(
+            2.0, stats.alignments, stats.direction_energies,
+            basis.block_dimensions, noise_std=1.3 / (50.0 * 0.5),
+            noise='shared'), rtol=1e-12)
+    assert planned.noise_multipliers == (1.3,) * 3
+
+
+def test_plan_blocks_refuses_bad_budget_splits(basis_and_public):
+    basis, public = basis_and_public
+    config = _one_block(noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="budget_split must be one of "
+                       "projection_norms, variance_optimal, quantile"):
+        budgets.plan_blocks(config, basis, public, budget_split='norms')
+    with pytest.raises(ValueError, match='budget_quantile applies only'):
+        budgets.plan_blocks(config, basis, public, budget_quantile=0.5)
+    for bad in (0.0, 1.2, 'half'):
+        with pytest.raises(ValueError, match='budget_quantile'):
+            budgets.plan_blocks(config, basis, public,
+                                budget_split='quantile', budget_quantile=bad)
+    with pytest.raises(ValueError, match='residual_d0'):
+        budgets.plan_blocks(_one_block(), basis, public, residual_d0=-1.0,
+                            budget_split='variance_optimal', **BUDGET)
 
 
 if __name__ == '__main__':
