@@ -6,8 +6,9 @@ and that basis into the per-block config that training runs (the global l2
 budget split over blocks from public statistics by one of
 ``budgets.BUDGET_SPLITS``, l-infinity clips, per-block noise optimised for a
 budget); ``diagnostics.gradient_geometry`` measures the per-example geometry
-that hybrid clipping exploits. The training step that uses basis and config
-is ``tf_twice.mechanism.hybrid``.
+that hybrid clipping exploits; ``gradients.read_gradients`` is the one
+reader of public per-example gradients they share. The training step that
+uses basis and config is ``tf_twice.mechanism.hybrid``.
 """
 
 from tf_twice.hybrid.budgets import BUDGET_SPLITS
