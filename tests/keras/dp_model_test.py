@@ -135,6 +135,12 @@ def test_per_example_gradients_are_computed_for_the_real_rows_only(
     dp = _private(_mlp(), physical_batch_size=32)
     dp.fit(tf.data.Dataset.from_tensors(_data(43)), verbose=0)
     assert int(rows.numpy()) == 44
+    # Full chunks are never padded, also when the unit does not divide
+    # them: chunks of 17 (unit 2) take 40 rows as 17 + 17 + 6.
+    rows.assign(0)
+    dp = _private(_mlp(), physical_batch_size=17)
+    dp.fit(tf.data.Dataset.from_tensors(_data(40)), verbose=0)
+    assert int(rows.numpy()) == 40
 
 
 @pytest.mark.parametrize('physical_batch_size', [3, 24])

@@ -25,6 +25,20 @@ class RunningMean(tf.keras.layers.Layer):
         return inputs
 
 
+class TrainableStatistic(tf.keras.layers.Layer):
+    """Writes its inputs' mean into a trainable weight, in a model that has
+    no non-trainable variable."""
+
+    def build(self, input_shape):
+        self.stat = self.add_weight(name='stat', shape=(input_shape[-1],),
+                                    initializer='zeros', trainable=True)
+
+    def call(self, inputs, training=None):
+        if training:
+            self.stat.assign(tf.reduce_mean(inputs, axis=0))
+        return inputs + 0.0 * self.stat
+
+
 class Counter(tf.keras.layers.Layer):
     """Counts its training calls: state that does not depend on the data."""
 
@@ -103,3 +117,14 @@ def test_inputs_it_cannot_make_up_are_not_probed():
     layer_state.check_no_input_dependent_state(inner, None)
     layer_state.check_no_input_dependent_state(
         inner, tf.TensorSpec([None, None], tf.float32))
+
+
+def test_a_statistic_written_into_a_trainable_weight_is_refused_and_undone():
+    inner = _model(TrainableStatistic(name='sneaky'))
+    assert not inner.non_trainable_variables
+    before = [v.numpy() for v in inner.variables]
+    with pytest.raises(ValueError, match=r"sneaky.*stat"):
+        layer_state.check_no_input_dependent_state(
+            inner, layer_state.input_spec_of(tiny_models.data(8)[0]))
+    for v, b in zip(inner.variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)

@@ -8,14 +8,15 @@ BatchNormalization is refused by name (`guards.check_no_example_mixing`);
 this module catches the same pattern under any other name, by behaviour:
 the model's training-mode forward pass runs on two different made-up
 batches (never on training data), each from the same state, and a
-non-trainable variable that ends up different after the two depends on the
-inputs. State that does not (a step counter, Keras 3's dropout seed
+variable (trainable or not) that ends up different after the two depends on
+the inputs. State that does not (a step counter, Keras 3's dropout seed
 generators) ends up equal and is accepted. Every variable is restored
 afterwards.
 
 A probe sees what the layer does on these inputs only: a layer that writes
-its state only for some inputs (a rare class, a threshold) can escape it.
-Such a layer must not be trained privately.
+its state only for some inputs (a rare class, a threshold), or into a
+variable the model does not track (a global captured by a Lambda), can
+escape it. Such a layer must not be trained privately.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _owners(model: tf.keras.layers.Layer) -> Dict[int, str]:
     """id(variable) -> path of the innermost layer holding it."""
     owners = {}
     for path, layer in guards.walk_layers(model, model.name):
-        for v in getattr(layer, 'non_trainable_weights', []):
+        for v in getattr(layer, 'weights', []):
             owners[id(v)] = path  # Inner layers come later and win.
     return owners
 
@@ -70,7 +71,7 @@ def _owners(model: tf.keras.layers.Layer) -> Dict[int, str]:
 def check_no_input_dependent_state(model: tf.keras.Model, input_spec: Any,
                                    strategy: Any = None) -> None:
     """Refuses ``model`` if a training-mode forward pass writes a statistic
-    of its inputs into a non-trainable variable (see the module docstring).
+    of its inputs into one of its variables (see the module docstring).
 
     Args:
       model: the model trained privately (built here if it is not yet).
@@ -98,7 +99,9 @@ def check_no_input_dependent_state(model: tf.keras.Model, input_spec: Any,
     with scope:
         if not model.built:
             per_example.build(model, batches[0])
-        variables = list(model.non_trainable_variables)
+        # Trainable variables too: a forward pass never writes them, so a
+        # difference there is an input-dependent write as well.
+        variables = list(model.variables)
         if not variables:
             return
         saved = [v.numpy() for v in variables]
@@ -118,7 +121,7 @@ def check_no_input_dependent_state(model: tf.keras.Model, input_spec: Any,
             name = getattr(v, 'path', None) or v.name
             raise ValueError(
                 f'Layer {owners.get(id(v), model.name)!r} writes its '
-                f'non-trainable variable {name!r} from its inputs in training '
+                f'variable {name!r} from its inputs in training '
                 'mode (two made-up batches left it with different values): '
                 'trained on private data it would be a noise-free statistic '
                 'of them, released with the model and not accounted. Compute '

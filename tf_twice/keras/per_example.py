@@ -218,7 +218,10 @@ def chunk_of(tensors: Any, index: tf.Tensor, chunk: int,
     start = index * chunk
     stop = tf.minimum(start + chunk, size)
     unit = padding_unit(chunk)
-    pad = tf.math.floormod(start - stop, unit)
+    # Only the last, partial chunk is padded (a full chunk of a size that
+    # is not a multiple of the unit stays as it is).
+    pad = tf.where(stop - start < chunk, tf.math.floormod(start - stop, unit),
+                   0)
 
     def one(t):
         if t.shape.rank is None or t.shape.rank == 0:
