@@ -105,16 +105,19 @@ def check_no_input_dependent_state(model: tf.keras.Model, input_spec: Any,
         if not variables:
             return
         saved = [v.numpy() for v in variables]
+
+        def restore():
+            for v, value in zip(variables, saved):
+                v.assign(value)
+
         after: List[List[np.ndarray]] = []
         try:
             for batch in batches:
                 model(batch, training=True)
                 after.append([v.numpy() for v in variables])
-                for v, value in zip(variables, saved):
-                    v.assign(value)
+                restore()  # Both probes start from the same state.
         finally:
-            for v, value in zip(variables, saved):
-                v.assign(value)
+            restore()
     owners = _owners(model)
     for v, first, second in zip(variables, *after):
         if not np.array_equal(first, second, equal_nan=True):
