@@ -55,6 +55,7 @@ from scipy import stats
 import tensorflow as tf
 
 from tf_twice import _keras  # noqa: F401  pylint: disable=unused-import
+from tf_twice import _validate
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 
 __all__ = [
@@ -202,10 +203,10 @@ def select_threshold(scores_without: Sequence[float],
 
 
 def _check_delta_confidence(delta: float, confidence: float) -> None:
-    if not 0.0 <= delta < 1.0:
-        raise ValueError(f'delta must be in [0, 1); got {delta!r}.')
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f'confidence must be in (0, 1); got {confidence!r}.')
+    # delta = 0 is allowed here: a lower bound on pure-DP epsilon.
+    if _validate.real('delta', delta) != 0.0:
+        _validate.probability('delta', delta)
+    _validate.probability('confidence', confidence)
 
 
 def _optimizer_variables(optimizer) -> list:
@@ -277,13 +278,8 @@ def audit_one_step(model: tf.keras.Model,
         zero direction.
     """
     _check_delta_confidence(delta, confidence)
-    if isinstance(num_trials, bool) or not isinstance(num_trials, int) \
-            or num_trials < 2:
-        raise ValueError(f'num_trials must be an integer >= 2; got '
-                         f'{num_trials!r}.')
-    if not 0.0 < selection_fraction < 1.0:
-        raise ValueError('selection_fraction must be in (0, 1); got '
-                         f'{selection_fraction!r}.')
+    num_trials = _validate.integer('num_trials', num_trials, 2)
+    _validate.probability('selection_fraction', selection_fraction)
     num_selection = min(max(int(round(selection_fraction * num_trials)), 1),
                         num_trials - 1)
     if getattr(model, 'optimizer', None) is None:

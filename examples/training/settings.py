@@ -11,8 +11,7 @@ import dataclasses
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-import numpy as np
-
+from tf_twice import _validate
 from tf_twice import models
 from tf_twice.hybrid import budgets as hybrid_budgets
 
@@ -108,30 +107,23 @@ def flag_error(flag: str, allowed: str, value: Any) -> ValueError:
 
 
 def check_number(flag: str, value: Any) -> float:
-    if isinstance(value, bool):
-        raise flag_error(flag, 'a number', value)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise flag_error(flag, 'a number', value) from None
-    if math.isnan(number):
-        raise flag_error(flag, 'a number', value)
-    return number
+    return _validate.real(f'--{flag}', value)
 
 
-def check_positive(flag: str, value: Any, *, finite: bool = True) -> float:
-    number = check_number(flag, value)
-    if not number > 0 or (finite and math.isinf(number)):
-        raise flag_error(flag, 'a finite number > 0', value)
-    return number
+def check_positive(flag: str, value: Any) -> float:
+    return _validate.positive(f'--{flag}', value)
 
 
 def check_integer(flag: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise flag_error(flag, f'an integer >= {low}', value)
-    if value < low:
-        raise flag_error(flag, f'an integer >= {low}', value)
-    return int(value)
+    return _validate.integer(f'--{flag}', value, low)
+
+
+def check_at_least_one(flag: str, value: Any) -> float:
+    """A finite number >= 1 (d0 = (c2 / c_inf)^2: c_inf <= c2)."""
+    number = _validate.positive(f'--{flag}', value)
+    if number < 1.0:
+        raise flag_error(flag, 'a finite number >= 1', value)
+    return number
 
 
 def check_choice(flag: str, value: Any, allowed: Sequence[str]) -> str:
@@ -192,28 +184,19 @@ def check_config(config: Any) -> TrainConfig:
     if config.noise_multiplier is not None:
         check_positive('noise_multiplier', config.noise_multiplier)
     if config.delta is not None:
-        delta = check_number('delta', config.delta)
-        if not 0.0 < delta < 1.0:
-            raise flag_error('delta', 'in (0, 1)', config.delta)
+        _validate.probability('--delta', config.delta)
     if config.example_sampling_rate is not None and (
             config.batch_size is not None):
         raise ValueError('give at most one of --example_sampling_rate (q1) '
                          'and --batch_size (the expected batch size n * q1); '
                          'got both.')
     if config.example_sampling_rate is not None:
-        q1 = check_number('example_sampling_rate',
-                          config.example_sampling_rate)
-        if not 0.0 < q1 <= 1.0:
-            raise flag_error('example_sampling_rate', 'in (0, 1]',
-                             config.example_sampling_rate)
+        _validate.rate('--example_sampling_rate', config.example_sampling_rate)
     if config.batch_size is not None:
         check_positive('batch_size', config.batch_size)
     q2 = config.coordinate_sampling_rate
     if q2 is not None:
-        q2 = check_number('coordinate_sampling_rate', q2)
-        if not 0.0 < q2 <= 1.0:
-            raise flag_error('coordinate_sampling_rate', 'in (0, 1]',
-                             config.coordinate_sampling_rate)
+        q2 = _validate.rate('--coordinate_sampling_rate', q2)
         if config.mode in ('dpsgd', 'nonprivate') and q2 != 1.0:
             raise flag_error(
                 'coordinate_sampling_rate',
@@ -231,12 +214,8 @@ def check_config(config: Any) -> TrainConfig:
     if config.linf_norm_clip is not None:
         check_positive('linf_norm_clip', config.linf_norm_clip)
     if config.d0 is not None:
-        if check_number('d0', config.d0) < 1.0 or math.isinf(float(config.d0)):
-            raise flag_error('d0', 'a finite number >= 1', config.d0)
-    if check_number('principal_d0', config.principal_d0) < 1.0 or math.isinf(
-            float(config.principal_d0)):
-        raise flag_error('principal_d0', 'a finite number >= 1',
-                         config.principal_d0)
+        check_at_least_one('d0', config.d0)
+    check_at_least_one('principal_d0', config.principal_d0)
     check_budget_split(config)
     if config.epochs is not None and config.steps is not None:
         raise ValueError('give at most one of --epochs and --steps; got '
@@ -286,10 +265,7 @@ def check_budget_split(config: TrainConfig) -> None:
     if config.budget_split != 'quantile':
         raise flag_error('budget_quantile', 'unset unless '
                          '--budget_split=quantile', config.budget_quantile)
-    if not 0.0 < check_number('budget_quantile',
-                              config.budget_quantile) <= 1.0:
-        raise flag_error('budget_quantile', 'in (0, 1]',
-                         config.budget_quantile)
+    _validate.rate('--budget_quantile', config.budget_quantile)
 
 
 def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
@@ -333,10 +309,7 @@ def check_lr_schedule(config: TrainConfig) -> None:
     if config.lr_decay_steps is not None:
         check_integer('lr_decay_steps', config.lr_decay_steps, 1)
     if config.lr_decay_rate is not None:
-        rate = check_number('lr_decay_rate', config.lr_decay_rate)
-        if not 0.0 < rate <= 1.0:
-            raise flag_error('lr_decay_rate', 'in (0, 1]',
-                             config.lr_decay_rate)
+        _validate.rate('--lr_decay_rate', config.lr_decay_rate)
     if config.lr_min_fraction is not None:
         fraction = check_number('lr_min_fraction', config.lr_min_fraction)
         if not 0.0 <= fraction < 1.0:
