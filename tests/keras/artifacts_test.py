@@ -349,5 +349,19 @@ def test_secret_run_state_file_resumes_a_seeded_stream_exactly(tmp_path):
         resumed.aggregator.keys.set_state({'format': 'other'})
 
 
+def test_op_determinism_asks_for_a_secret_seed_instead_of_failing_in_tf():
+    # TensorFlow refuses OS-entropy generators under op determinism; the
+    # model must say which argument to give, and a seeded model must train.
+    from tensorflow.python.framework import config as tf_config
+    tf.config.experimental.enable_op_determinism()
+    try:
+        with pytest.raises(ValueError, match=r'op determinism.*seed='):
+            DPModel(_mlp(), CONFIG, physical_batch_size=4)
+        seeded = _dp_model(seed=SEED)
+        assert np.all(np.isfinite(_noise_of_next_step(seeded)))
+    finally:
+        tf_config.disable_op_determinism()
+
+
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))

@@ -64,6 +64,21 @@ _STREAM_DOMAIN = 0x54776963654B6579  # 'TwiceKey'
 
 
 
+def _entropy_generator() -> tf.random.Generator:
+    """A generator keyed by OS entropy, or a clear error where TensorFlow's
+    op determinism forbids it."""
+    try:
+        return tf.random.Generator.from_non_deterministic_state()
+    except RuntimeError as e:
+        raise ValueError(
+            'seed=None draws the secret noise keys from OS entropy, which '
+            'TensorFlow refuses while op determinism is enabled '
+            '(tf.config.experimental.enable_op_determinism). Pass seed= a '
+            'secret integer in [0, 2**63) used for one run only (e.g. '
+            'secrets.randbits(63)): anyone who learns it can replay the '
+            'noise. Or leave op determinism off.') from e
+
+
 def _check_seed(seed) -> Optional[int]:
     if seed is None:
         return None
@@ -117,9 +132,8 @@ class StepKeys:
     def __init__(self, seed: Optional[int] = None) -> None:
         self._seed = _check_seed(seed)
         with tf.init_scope():
-            self._generator = (
-                tf.random.Generator.from_non_deterministic_state()
-                if seed is None else tf.random.Generator.from_seed(seed))
+            self._generator = (_entropy_generator() if seed is None
+                               else tf.random.Generator.from_seed(seed))
             # An unseeded stream is positioned from birth; a seeded one at
             # its first draw (by the model's state) or by ``set_state``.
             self._positioned = tf.Variable(
