@@ -17,6 +17,7 @@ Every test here failed before the change it pins down:
   a preprocessing step that uses batch statistics cannot mix examples.
 """
 
+import dataclasses
 import json
 
 import dp_accounting
@@ -31,6 +32,7 @@ from tests import tiny_models
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
+from tf_twice.config import Block
 from tf_twice.config import TwiceSamplingConfig
 from tf_twice.keras import DPModel
 from tf_twice.keras import PrivacyLedger
@@ -189,9 +191,15 @@ def test_training_script_run_file_holds_no_seed(tmp_path):
         mode='hybrid', seed=secret, public_examples=50, ranks='4',
         noise_multiplier=1.0, steps=3))
     plan = plan_lib.resolve_plan(config, 1000)
-    plan.ranks, plan.block_dimensions = (4,), (4, 100)
-    plan.l2_norm_clip, plan.linf_norm_clip = (0.6, 0.8), (0.6, 0.08)
-    plan.noise_multiplier = (1.0, 1.0)
+    one_block = plan.mechanism
+    plan = dataclasses.replace(plan, ranks=(4,), mechanism=TwiceSamplingConfig(
+        num_examples=one_block.num_examples,
+        expected_batch_size=one_block.expected_batch_size,
+        coordinate_sampling_rate=one_block.coordinate_sampling_rate,
+        blocks=(Block(l2_norm_clip=0.6, linf_norm_clip=0.6,
+                      noise_multiplier=1.0, dimension=4),
+                Block(l2_norm_clip=0.8, linf_norm_clip=0.08,
+                      noise_multiplier=1.0, dimension=100))))
     resume.write_run_file(config, plan, str(tmp_path),
                           hybrid=plan_lib.hybrid_blocks_record(config, plan))
     text = (tmp_path / resume.RUN_FILENAME).read_text()

@@ -1,11 +1,11 @@
 """The training script's plan: the mechanism and the schedule of a run.
 
-`resolve_plan` turns a checked `TrainConfig` into sampling rates, clips,
-the planned steps and (calibrated or given) noise; `hybrid_setup` learns
-the basis from the PUBLIC split and sets hybrid clipping's per-block clips
-and noise. `mechanism` is the plan as the `TwiceSamplingConfig` the library
-derives everything from, and `privacy_statement` the statement for a number
-of its steps.
+`resolve_plan` turns a checked `TrainConfig` into the run's mechanism, the
+`TwiceSamplingConfig` the library derives everything from (sampling
+rates, clips, calibrated or given noise), and its schedule (the planned
+steps); `hybrid_setup` learns the basis from the PUBLIC split and gives the
+mechanism hybrid clipping's per-block clips and noise. `privacy_statement`
+is the statement for a number of the mechanism's steps.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import tensorflow as tf
 import tf_twice
 from tf_twice import accounting
 from tf_twice import hybrid
-from tf_twice import sampling
 from tf_twice.hybrid import budgets as hybrid_budgets
 from tf_twice.keras import basis_refresh
+from tf_twice.mechanism import basis as basis_lib
 
 from examples.training import data as data_lib
 from examples.training import modeling
@@ -36,31 +36,28 @@ from examples.training.settings import PRIVATE_MODES
 from examples.training.settings import TrainConfig
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """The resolved mechanism and schedule of a run.
 
-    For hybrid mode the clip and noise fields hold one value per block
-    (principal blocks first, the residual last); they are set by
-    `build_run` once the basis is learned.
+    `mechanism` is the one `TwiceSamplingConfig` that the sampling, the
+    model, the ledger and the statement derive from. In nonprivate mode it
+    is `non_private` (the batch size and the l2 clip of the flags, no
+    noise). In hybrid mode it is the flags' one-block mechanism (the global
+    l2 budget; the residual's l-infinity clip when --linf_norm_clip is
+    given, else `d0` sets it) until `hybrid_setup` returns the plan with
+    one Block per basis block. `d0` is the flag's (or default) d0 where it
+    sets an l-infinity clip, else None.
     """
 
     mode: str
-    num_examples: int
+    mechanism: tf_twice.TwiceSamplingConfig
     delta: Optional[float]
-    example_sampling_rate: float
-    expected_batch_size: float
-    coordinate_sampling_rate: float
-    l2_norm_clip: Any
-    linf_norm_clip: Any
     d0: Optional[float]
-    noise_multiplier: Any
     target_epsilon: Optional[float]
     steps_per_epoch: int
     planned_steps: int
     ranks: Tuple[int, ...] = ()
-    block_dimensions: Optional[Tuple[int, ...]] = None
-
 
 
 def num_epochs_for_steps(n: int, batch_size: float, steps: int) -> float:
@@ -94,17 +91,6 @@ def resolve_plan(config: TrainConfig, num_examples: int) -> Plan:
         batch = float(config.example_sampling_rate) * n
     else:
         batch = float(min(DEFAULT_BATCH_SIZE, n))
-    q1 = batch / n
-    if config.mode == 'nonprivate':
-        steps_per_epoch = int(math.ceil(n / batch))
-    else:
-        steps_per_epoch = sampling.poisson_schedule(
-            n, expected_batch_size=batch).steps_per_epoch
-    if config.steps is not None:
-        planned = int(config.steps)
-    else:
-        epochs = DEFAULT_EPOCHS if config.epochs is None else config.epochs
-        planned = max(1, int(math.ceil(float(epochs) * steps_per_epoch)))
     private = config.mode in PRIVATE_MODES
     if config.mode in ('twice', 'hybrid'):
         q2 = (DEFAULT_COORDINATE_SAMPLING_RATE
@@ -120,40 +106,47 @@ def resolve_plan(config: TrainConfig, num_examples: int) -> Plan:
             c_inf = float(config.linf_norm_clip)
         else:
             d0 = DEFAULT_D0 if config.d0 is None else float(config.d0)
-            c_inf = c2 / math.sqrt(d0)
+            if config.mode == 'twice':
+                # Hybrid: plan_blocks sets the residual's clip from d0.
+                c_inf = c2 / math.sqrt(d0)
+    mechanism = tf_twice.TwiceSamplingConfig.single(
+        num_examples=n, expected_batch_size=batch,
+        coordinate_sampling_rate=q2, l2_norm_clip=c2, linf_norm_clip=c_inf,
+        noise_multiplier=config.noise_multiplier, non_private=not private)
+    if private:
+        steps_per_epoch = mechanism.steps_per_epoch
+    else:
+        steps_per_epoch = int(math.ceil(n / batch))
+    if config.steps is not None:
+        planned = int(config.steps)
+    else:
+        epochs = DEFAULT_EPOCHS if config.epochs is None else config.epochs
+        planned = max(1, int(math.ceil(float(epochs) * steps_per_epoch)))
     delta = None
     target = None
-    z = None
     if private:
         delta = (settings.default_delta(n) if config.delta is None
                  else float(config.delta))
-        if config.noise_multiplier is not None:
-            z = float(config.noise_multiplier)
-        else:
+        if config.noise_multiplier is None:
             target = (DEFAULT_TARGET_EPSILON if config.target_epsilon is None
                       else float(config.target_epsilon))
             if config.mode != 'hybrid':
-                z = _calibrate(target, delta, planned, q1, q2, c2, c_inf)
-    return Plan(mode=config.mode, num_examples=n, delta=delta,
-                example_sampling_rate=q1, expected_batch_size=batch,
-                coordinate_sampling_rate=q2, l2_norm_clip=c2,
-                linf_norm_clip=c_inf, d0=d0, noise_multiplier=z,
+                mechanism = _calibrate(mechanism, target, delta, planned)
+    return Plan(mode=config.mode, mechanism=mechanism, delta=delta, d0=d0,
                 target_epsilon=target, steps_per_epoch=steps_per_epoch,
                 planned_steps=planned,
                 ranks=(tuple(config.ranks) if config.mode == 'hybrid'
                        else ()))
 
 
-def _calibrate(target, delta, steps, q1, q2, c2, c_inf) -> float:
+def _calibrate(mechanism: tf_twice.TwiceSamplingConfig, target: float,
+               delta: float, steps: int) -> tf_twice.TwiceSamplingConfig:
     try:
-        return accounting.calibrate_noise_multiplier(
-            target_epsilon=target, delta=delta, steps=steps,
-            example_sampling_rate=q1, coordinate_sampling_rate=q2,
-            l2_norm_clip=c2, linf_norm_clip=c_inf)
+        return mechanism.calibrate(target_epsilon=target, delta=delta,
+                                   steps=steps)
     except ValueError as e:
         raise ValueError(f'--target_epsilon={target:g} cannot be met: {e}'
                          ) from e
-
 
 
 def basis_kwargs(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
@@ -179,8 +172,8 @@ def hybrid_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
         principal_d0=float(config.principal_d0),
         ranks=list(plan.ranks), parameter_groups=config.parameter_groups,
         noise_multiplier=config.noise_multiplier,
-        example_sampling_rate=plan.example_sampling_rate,
-        coordinate_sampling_rate=plan.coordinate_sampling_rate,
+        example_sampling_rate=plan.mechanism.example_sampling_rate,
+        coordinate_sampling_rate=plan.mechanism.coordinate_sampling_rate,
         public_examples=int(config.public_examples))
     record.update(settings.budget_split_settings(config))
     if config.noise_multiplier is None:
@@ -192,10 +185,11 @@ def hybrid_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
 def hybrid_blocks_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
     """run.json's record of a hybrid run's blocks, with what determined them
     (`hybrid_setup` reuses the blocks when a resumed run has the same)."""
+    mechanism = plan.mechanism
     return dict(settings=hybrid_record(config, plan),
-                l2_norm_clip=list(plan.l2_norm_clip),
-                linf_norm_clip=list(plan.linf_norm_clip),
-                noise_multiplier=list(plan.noise_multiplier))
+                l2_norm_clip=list(mechanism.l2_norm_clips),
+                linf_norm_clip=list(mechanism.linf_norm_clips),
+                noise_multiplier=list(mechanism.noise_multipliers))
 
 
 def learn_public_basis(config: TrainConfig, plan: Plan, data: data_lib.Data,
@@ -212,11 +206,13 @@ def learn_public_basis(config: TrainConfig, plan: Plan, data: data_lib.Data,
 
 def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
                  inner: tf.keras.Model,
-                 recorded: Optional[Mapping[str, Any]]):
-    """Learns the basis from the PUBLIC split; sets per-block clips/noise.
+                 recorded: Optional[Mapping[str, Any]]
+                 ) -> Tuple[Plan, basis_lib.HybridBasis]:
+    """Learns the basis from the PUBLIC split; plans per-block clips/noise.
 
-    The per-block clips and noise are `tf_twice.hybrid.plan_blocks` of the
-    flags' one-block mechanism: l2 budgets split by `--budget_split` (and
+    Returns the plan whose mechanism has one Block per basis block, and the
+    basis. The blocks are `tf_twice.hybrid.plan_blocks` of the plan's
+    one-block mechanism: l2 budgets split by `--budget_split` (and
     `--budget_quantile`) from public statistics;
     the residual's l-infinity clip is `--linf_norm_clip` (capped at its c2)
     or c2 / sqrt(`--d0`), principal block j's is c2_j / sqrt(min(
@@ -228,29 +224,29 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
     """
     seed = 0 if config.seed is None else config.seed
     basis, grads = learn_public_basis(config, plan, data, inner, seed)
-    plan.ranks = tuple(basis.ranks)
-    plan.block_dimensions = tuple(basis.block_dimensions)
+    plan = dataclasses.replace(plan, ranks=tuple(basis.ranks))
+    one_block = plan.mechanism
     record = hybrid_record(config, plan)
     if recorded is not None and recorded.get('settings') == json.loads(
             json.dumps(record)):
-        plan.l2_norm_clip = tuple(recorded['l2_norm_clip'])
-        plan.linf_norm_clip = tuple(recorded['linf_norm_clip'])
-        plan.noise_multiplier = tuple(recorded['noise_multiplier'])
-        return basis
-    one_block = tf_twice.TwiceSamplingConfig.single(
-        num_examples=plan.num_examples,
-        expected_batch_size=plan.expected_batch_size,
-        coordinate_sampling_rate=plan.coordinate_sampling_rate,
-        l2_norm_clip=float(config.l2_norm_clip),
-        linf_norm_clip=config.linf_norm_clip,
-        noise_multiplier=config.noise_multiplier)
-    budget = {} if config.noise_multiplier is not None else dict(
+        blocks = tuple(
+            tf_twice.Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
+                           noise_multiplier=z)
+            for c2, c_inf, z in zip(recorded['l2_norm_clip'],
+                                    recorded['linf_norm_clip'],
+                                    recorded['noise_multiplier']))
+        mechanism = tf_twice.TwiceSamplingConfig(
+            num_examples=one_block.num_examples,
+            expected_batch_size=one_block.expected_batch_size,
+            coordinate_sampling_rate=one_block.coordinate_sampling_rate,
+            blocks=blocks).with_dimensions(basis.block_dimensions)
+        return dataclasses.replace(plan, mechanism=mechanism), basis
+    budget = {} if one_block.is_calibrated else dict(
         target_epsilon=plan.target_epsilon, delta=plan.delta,
         steps=plan.planned_steps)
     try:
-        planned = hybrid_budgets.plan_blocks(
-            one_block, basis, grads,
-            residual_d0=None if config.linf_norm_clip is not None else plan.d0,
+        mechanism = hybrid_budgets.plan_blocks(
+            one_block, basis, grads, residual_d0=plan.d0,
             principal_d0=float(config.principal_d0),
             budget_split=config.budget_split,
             budget_quantile=config.budget_quantile, **budget)
@@ -259,43 +255,24 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
             raise
         raise ValueError(f'--target_epsilon={plan.target_epsilon:g} '
                          f'cannot be met: {e}') from e
-    plan.l2_norm_clip = planned.l2_norm_clips
-    plan.linf_norm_clip = planned.linf_norm_clips
-    plan.noise_multiplier = planned.noise_multipliers
-    return basis
-
-
-def mechanism(plan: Plan) -> tf_twice.TwiceSamplingConfig:
-    """The plan's mechanism as the one config the library derives from."""
-
-    def per_block(value):
-        return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-    return tf_twice.TwiceSamplingConfig(
-        num_examples=plan.num_examples,
-        expected_batch_size=plan.expected_batch_size,
-        coordinate_sampling_rate=plan.coordinate_sampling_rate,
-        blocks=tuple(
-            tf_twice.Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
-                           noise_multiplier=z)
-            for c2, c_inf, z in zip(per_block(plan.l2_norm_clip),
-                                    per_block(plan.linf_norm_clip),
-                                    per_block(plan.noise_multiplier))))
+    return dataclasses.replace(plan, mechanism=mechanism), basis
 
 
 def privacy_statement(plan: Plan, steps: int) -> Tuple[str, float]:
-    """The statement and its epsilon for `steps` steps of `plan`."""
-    n, batch = plan.num_examples, plan.expected_batch_size
-    epochs = num_epochs_for_steps(n, batch, steps)
-    common = dict(block_dimensions=plan.block_dimensions)
-    eps, _ = accounting.compute_twice_sampling_privacy(
-        n, batch, plan.noise_multiplier, epochs, plan.delta,
-        plan.coordinate_sampling_rate, plan.l2_norm_clip,
-        plan.linf_norm_clip, **common)
+    """The statement and its epsilon for `steps` steps of `plan`.
+
+    The statement's numbers are those of the step the ledger charges
+    (`mechanism.dp_event()`: one value for one block, one per block for
+    hybrid clipping).
+    """
+    mechanism = plan.mechanism
+    n, batch = mechanism.num_examples, mechanism.expected_batch_size
+    event = mechanism.dp_event()
     text = accounting.compute_twice_sampling_privacy_statement(
-        number_of_examples=n, batch_size=batch, num_epochs=epochs,
-        noise_multiplier=plan.noise_multiplier, delta=plan.delta,
-        coordinate_sampling_rate=plan.coordinate_sampling_rate,
-        l2_norm_clip=plan.l2_norm_clip, linf_norm_clip=plan.linf_norm_clip,
-        **common)
-    return text, float(eps)
+        number_of_examples=n, batch_size=batch,
+        num_epochs=num_epochs_for_steps(n, batch, steps),
+        noise_multiplier=event.noise_multiplier, delta=plan.delta,
+        coordinate_sampling_rate=event.coordinate_sampling_rate,
+        l2_norm_clip=event.l2_norm_clip, linf_norm_clip=event.linf_norm_clip,
+        block_dimensions=event.block_dimensions)
+    return text, mechanism.epsilon(steps, plan.delta)

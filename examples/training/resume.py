@@ -64,8 +64,8 @@ def mechanism_settings(config: TrainConfig, plan: Any) -> Dict[str, Any]:
     changed. `plan` is the run's `examples.training.plan.Plan`.
     """
     settings = dict(
-        batch_size=plan.expected_batch_size,
-        coordinate_sampling_rate=plan.coordinate_sampling_rate,
+        batch_size=plan.mechanism.expected_batch_size,
+        coordinate_sampling_rate=plan.mechanism.coordinate_sampling_rate,
         l2_norm_clip=float(config.l2_norm_clip),
         linf_norm_clip=config.linf_norm_clip, d0=plan.d0,
         noise_multiplier=config.noise_multiplier,

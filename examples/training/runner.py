@@ -100,10 +100,10 @@ def _input(config: TrainConfig, plan: Plan, data: Data, done: int,
         # so no logical batch of the seed's stream is used twice.
         return sampling.poisson_batches(
             data.x_train, data.y_train,
-            expected_batch_size=plan.expected_batch_size,
+            expected_batch_size=plan.mechanism.expected_batch_size,
             steps=steps_per_iteration, seed=config.seed, start_step=done,
             preprocess_fn=preprocess)
-    batch = int(round(plan.expected_batch_size))
+    batch = int(round(plan.mechanism.expected_batch_size))
     dataset = tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
     dataset = dataset.shuffle(
         len(data.x_train), seed=config.seed,
@@ -152,11 +152,11 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
 
     basis = None
     if config.mode == 'hybrid':
-        basis = plan_lib.hybrid_setup(
+        plan, basis = plan_lib.hybrid_setup(
             config, plan, data, inner,
             None if previous is None else previous.get('hybrid'))
     if private:
-        model = DPModel(inner, plan_lib.mechanism(plan),
+        model = DPModel(inner, plan.mechanism,
                         physical_batch_size=config.physical_batch_size,
                         seed=config.seed, basis=basis)
     else:
@@ -245,10 +245,11 @@ def evaluate(model: tf.keras.Model, data: Data,
     return float(results['loss']), float(results['accuracy'])
 
 
-def _as_list(value):
-    if isinstance(value, (list, tuple)):
-        return [None if v is None else float(v) for v in value]
-    return None if value is None else float(value)
+def _per_block(values):
+    """One value per block as the results give it: the value itself for
+    one block, a list for several (hybrid clipping)."""
+    values = [None if v is None else float(v) for v in values]
+    return values[0] if len(values) == 1 else values
 
 
 def train(config: Any, data: Optional[Data] = None) -> Dict[str, Any]:
@@ -271,6 +272,7 @@ def train(config: Any, data: Optional[Data] = None) -> Dict[str, Any]:
     """
     run = build_run(config, data)
     config, plan = run.config, run.plan
+    mechanism = plan.mechanism
     if config.verbose:
         _print_plan(run)
     iterations_before = int(run.model.optimizer.iterations.numpy())
@@ -291,15 +293,15 @@ def train(config: Any, data: Optional[Data] = None) -> Dict[str, Any]:
     test_loss, test_accuracy = evaluate(run.model, run.data)
     results: Dict[str, Any] = dict(
         mode=config.mode, dataset=config.dataset, model=config.model,
-        num_examples=plan.num_examples,
+        num_examples=mechanism.num_examples,
         num_public_examples=int(len(run.data.x_public)),
         num_test_examples=int(len(run.data.x_test)),
-        example_sampling_rate=plan.example_sampling_rate,
-        expected_batch_size=plan.expected_batch_size,
-        coordinate_sampling_rate=plan.coordinate_sampling_rate,
-        l2_norm_clip=_as_list(plan.l2_norm_clip),
-        linf_norm_clip=_as_list(plan.linf_norm_clip),
-        noise_multiplier=_as_list(plan.noise_multiplier),
+        example_sampling_rate=mechanism.example_sampling_rate,
+        expected_batch_size=mechanism.expected_batch_size,
+        coordinate_sampling_rate=mechanism.coordinate_sampling_rate,
+        l2_norm_clip=_per_block(mechanism.l2_norm_clips),
+        linf_norm_clip=_per_block(mechanism.linf_norm_clips),
+        noise_multiplier=_per_block(mechanism.noise_multipliers),
         ranks=list(plan.ranks), delta=plan.delta,
         target_epsilon=plan.target_epsilon,
         planned_steps=plan.planned_steps, resumed_steps=run.done_steps,
@@ -325,16 +327,17 @@ def train(config: Any, data: Optional[Data] = None) -> Dict[str, Any]:
 
 def _print_plan(run: Run) -> None:
     plan, config = run.plan, run.config
+    mechanism = plan.mechanism
     print(f'{config.mode} on {config.dataset} ({config.model}): '
-          f'{plan.num_examples} private training examples, '
+          f'{mechanism.num_examples} private training examples, '
           f'{len(run.data.x_public)} public, {len(run.data.x_test)} test.')
     if config.mode in PRIVATE_MODES:
-        print(f'  Poisson rate q1 = {plan.example_sampling_rate:.6g} '
-              f'(expected batch {plan.expected_batch_size:g}), coordinate '
-              f'rate q2 = {plan.coordinate_sampling_rate:g}, l2 clip '
-              f'{_fmt(plan.l2_norm_clip)}, l-inf clip '
-              f'{_fmt(plan.linf_norm_clip)}, noise multiplier '
-              f'{_fmt(plan.noise_multiplier)}, delta {plan.delta:g}'
+        print(f'  Poisson rate q1 = {mechanism.example_sampling_rate:.6g} '
+              f'(expected batch {mechanism.expected_batch_size:g}), '
+              f'coordinate rate q2 = {mechanism.coordinate_sampling_rate:g}, '
+              f'l2 clip {_fmt(mechanism.l2_norm_clips)}, l-inf clip '
+              f'{_fmt(mechanism.linf_norm_clips)}, noise multiplier '
+              f'{_fmt(mechanism.noise_multipliers)}, delta {plan.delta:g}'
               + ('' if plan.target_epsilon is None else
                  f', target epsilon {plan.target_epsilon:g}') + '.')
     if config.lr_schedule != 'constant':
@@ -347,10 +350,11 @@ def _print_plan(run: Run) -> None:
           'run now.')
 
 
-def _fmt(value) -> str:
-    if isinstance(value, (list, tuple)):
-        return '(' + ', '.join(_fmt(v) for v in value) + ')'
-    return 'none' if value is None else f'{value:.4g}'
+def _fmt(values) -> str:
+    """One value per block: the value itself for one block, else all of
+    them in parentheses."""
+    text = ['none' if v is None else f'{v:.4g}' for v in values]
+    return text[0] if len(text) == 1 else '(' + ', '.join(text) + ')'
 
 
 def print_results(results: Mapping[str, Any]) -> None:
