@@ -163,6 +163,31 @@ def test_hybrid_mode_learns_a_public_basis_and_accounts_blocks(digits):
     assert results['epsilon'] <= 8.0
 
 
+@pytest.mark.parametrize('mode', ['dpsgd', 'twice', 'hybrid'])
+def test_the_model_and_the_ledger_run_the_plans_mechanism(digits, mode):
+    """One config: the model's steps and the ledger's event are the plan's
+    mechanism (hybrid: one Block per basis block, dimensions included)."""
+    data = (data_lib.load_data('digits', public_examples=50)
+            if mode == 'hybrid' else digits)
+    run = runner.build_run(HYBRID if mode == 'hybrid' else dict(
+        FAST, mode=mode, target_epsilon=8.0), data=data)
+    mechanism = run.plan.mechanism
+    assert run.model.config == mechanism
+    assert run.ledger.event == mechanism.dp_event()
+    if mode == 'hybrid':
+        assert mechanism.dimensions == run.model.basis.block_dimensions
+    else:
+        assert mechanism.num_blocks == 1
+
+
+def test_nonprivate_plan_has_a_non_private_mechanism(digits):
+    # Its batch size shapes the batches; nothing accounts it.
+    run = runner.build_run(dict(FAST, mode='nonprivate'), data=digits)
+    assert run.plan.mechanism.non_private
+    assert run.plan.mechanism.expected_batch_size == 32
+    assert run.ledger is None
+
+
 @pytest.fixture(scope='module')
 def default_hybrid_clips():
     data = data_lib.load_data('digits', public_examples=50)
