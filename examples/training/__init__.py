@@ -2,8 +2,9 @@
 
 * `settings`: `TrainConfig` (one field per flag) and `check_config`.
 * `data`: the datasets, their fixed splits and the [0, 1] scaling.
-* `plan`: sampling rates, clips, schedule, noise calibration, the hybrid
-  blocks, and the privacy statement of a run.
+* `plan`: a run's mechanism, one `TwiceSamplingConfig` (sampling rates,
+  clips, calibrated noise, the hybrid blocks), its schedule, and its
+  privacy statement.
 * `modeling`: the model, the loss, the optimizer and its learning-rate
   schedule.
 * `resume`: the checkpoint directory (checkpoint, ledger, run.json) and the
