@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
 from tf_twice import models  # noqa: E402
-from tf_twice.hybrid import budgets as hybrid_budgets  # noqa: E402
+from tf_twice.hybrid import block_statistics  # noqa: E402
+from tf_twice.hybrid import budget_splits  # noqa: E402
 from tf_twice.hybrid import learning  # noqa: E402
 from tf_twice.keras import basis_refresh  # noqa: E402
 from tf_twice.mechanism import basis as basis_lib  # noqa: E402
@@ -116,9 +117,9 @@ def main() -> None:
         basis.compose(*basis.decompose(tensors))  # warm
         _, t_use = timed(lambda: [t.numpy() for t in basis.compose(
             *basis.decompose(tensors))])
-        norms = hybrid_budgets.public_block_norms(basis, grads,
-                                                  clip_norm=1.0)
-        budgets = hybrid_budgets.split_l2_budget(1.0, norms)
+        norms = block_statistics.public_block_norms(basis, grads,
+                                                    clip_norm=1.0)
+        budgets = budget_splits.split_l2_budget(1.0, norms)
         print(f'\n  {name}: dims {list(basis.group_dims)}')
         print(f'    learn basis: {t_learn:6.2f} s (of which the '
               f'orthonormality check {t_check:5.2f} s); memory '

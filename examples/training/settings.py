@@ -13,7 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from tf_twice import _validate
 from tf_twice import models
-from tf_twice.hybrid import budgets as hybrid_budgets
+from tf_twice.hybrid import budget_splits
 
 MODES = ('nonprivate', 'dpsgd', 'twice', 'hybrid')
 PRIVATE_MODES = ('dpsgd', 'twice', 'hybrid')
@@ -32,8 +32,8 @@ DEFAULT_COORDINATE_SAMPLING_RATE = 0.5
 DEFAULT_D0 = 100.0
 DEFAULT_PUBLIC_EXAMPLES = 200
 DEFAULT_RANKS = (16,)
-BUDGET_SPLITS = hybrid_budgets.BUDGET_SPLITS
-DEFAULT_BUDGET_QUANTILE = hybrid_budgets.DEFAULT_BUDGET_QUANTILE
+BUDGET_SPLITS = budget_splits.BUDGET_SPLITS
+DEFAULT_BUDGET_QUANTILE = budget_splits.DEFAULT_BUDGET_QUANTILE
 
 
 @dataclasses.dataclass
@@ -58,7 +58,7 @@ class TrainConfig:
     linf_norm_clip: Optional[float] = None
     d0: Optional[float] = None
     principal_d0: float = 1.0
-    budget_split: str = hybrid_budgets.DEFAULT_BUDGET_SPLIT
+    budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT
     budget_quantile: Optional[float] = None
     epochs: Optional[float] = None
     steps: Optional[int] = None
@@ -255,9 +255,9 @@ def check_budget_split(config: TrainConfig) -> None:
     check_choice('budget_split', config.budget_split,
                  BUDGET_SPLITS)
     if (config.mode != 'hybrid' and
-            config.budget_split != hybrid_budgets.DEFAULT_BUDGET_SPLIT):
+            config.budget_split != budget_splits.DEFAULT_BUDGET_SPLIT):
         raise flag_error('budget_split',
-                         f'{hybrid_budgets.DEFAULT_BUDGET_SPLIT} (or unset) '
+                         f'{budget_splits.DEFAULT_BUDGET_SPLIT} (or unset) '
                          f'for --mode={config.mode}; it splits hybrid '
                          'clipping\'s l2 budget', config.budget_split)
     if config.budget_quantile is None:
@@ -273,7 +273,7 @@ def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
     records written before these flags existed stay equal to the default
     run's (resumes and stored results stay valid)."""
     settings: Dict[str, Any] = {}
-    if config.budget_split != hybrid_budgets.DEFAULT_BUDGET_SPLIT:
+    if config.budget_split != budget_splits.DEFAULT_BUDGET_SPLIT:
         settings['budget_split'] = config.budget_split
     if config.budget_quantile is not None:
         settings['budget_quantile'] = float(config.budget_quantile)

@@ -1,4 +1,5 @@
-"""Tests of tf_twice.hybrid.budgets: per-block clips and noise from public data."""
+"""Tests of tf_twice.hybrid.budgets: per-block clips and noise from public
+data, and of the public block statistics that they read."""
 
 import math
 
@@ -10,6 +11,8 @@ from scipy import optimize
 from tests import reference
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.hybrid import block_statistics
+from tf_twice.hybrid import budget_splits as splits
 from tf_twice.hybrid import budgets
 from tf_twice.hybrid import learning
 
@@ -38,18 +41,6 @@ def _one_block(**block):
 
 
 BUDGET = dict(target_epsilon=3.0, delta=1e-5, steps=200)
-
-
-def test_split_l2_budget():
-    split = budgets.split_l2_budget(2.5, [3.0, 1.0, 2.0])
-    assert math.isclose(sum(b * b for b in split), 2.5**2)
-    np.testing.assert_allclose(np.array(split) / split[1], [3, 1, 2])
-    assert budgets.split_l2_budget(1.0, [4.0]) == (1.0,)
-    for bad in ([1.0, 0.0], [1.0, -1.0], [np.nan], []):
-        with pytest.raises(ValueError, match='public_projection_norms'):
-            budgets.split_l2_budget(1.0, bad)
-    with pytest.raises(ValueError, match='total_l2_clip'):
-        budgets.split_l2_budget(0.0, [1.0])
 
 
 def test_linf_clips_from_d0():
@@ -93,7 +84,7 @@ def test_plan_blocks_splits_the_l2_budget_by_public_norms(basis_and_public):
     assert planned.dimensions == basis.block_dimensions == (3, 5, D)
     clips = np.array(planned.l2_norm_clips)
     assert math.isclose(float(np.sum(clips**2)), 4.0, rel_tol=1e-12)
-    norms = budgets.public_block_norms(basis, public, clip_norm=2.0)
+    norms = block_statistics.public_block_norms(basis, public, clip_norm=2.0)
     np.testing.assert_allclose(clips / np.linalg.norm(clips),
                                norms / np.linalg.norm(norms), rtol=1e-12)
     # The public gradients are near rank 8 = 3 + 5: the principal blocks get
@@ -197,7 +188,8 @@ def _rho(public, basis, l2_clips, noise_variance):
 
 def test_public_block_statistics_match_a_dense_reading(basis_and_public):
     basis, public = basis_and_public
-    stats = budgets.public_block_statistics(basis, public, chunk_size=7)
+    stats = block_statistics.public_block_statistics(basis, public,
+                                                     chunk_size=7)
     blocks, _ = _dense_blocks(basis, public)
     norms = np.stack([np.linalg.norm(a, axis=1) for a in blocks], axis=1)
     np.testing.assert_allclose(stats.per_example_norms, norms, rtol=1e-4)
@@ -210,113 +202,18 @@ def test_public_block_statistics_match_a_dense_reading(basis_and_public):
     np.testing.assert_allclose(stats.direction_energies,
                                [np.dot(u, u) for u in units], rtol=1e-4)
     np.testing.assert_allclose(stats.mean_norms,
-                               budgets.public_block_norms(basis, public),
+                               block_statistics.public_block_norms(basis,
+                                                                   public),
                                rtol=1e-8)
     # The pre-clip scales each example's norms, not its direction.
-    clipped = budgets.public_block_statistics(basis, public, clip_norm=0.5)
+    clipped = block_statistics.public_block_statistics(basis, public,
+                                                       clip_norm=0.5)
     totals = np.linalg.norm(public.astype(np.float64), axis=1)
     np.testing.assert_allclose(
         clipped.per_example_norms,
         norms * np.minimum(1.0, 0.5 / totals)[:, None], rtol=1e-4)
     np.testing.assert_allclose(clipped.alignments, stats.alignments,
                                rtol=1e-6)  # float32 projections, chunked.
-
-
-def test_quantile_l2_budget():
-    rng = np.random.default_rng(3)
-    norms = np.abs(rng.standard_normal((200, 3))) * [4.0, 1.0, 0.5]
-    for q in (0.1, 0.5, 1.0):
-        split = np.array(budgets.quantile_l2_budget(2.0, norms, q))
-        assert math.isclose(float(np.sum(split**2)), 4.0, rel_tol=1e-12)
-        levels = np.quantile(norms, q, axis=0)
-        np.testing.assert_allclose(split / np.linalg.norm(split),
-                                   levels / np.linalg.norm(levels),
-                                   rtol=1e-12)
-    # A block whose quantile is 0 keeps a tiny positive budget.
-    sparse = np.concatenate([norms[:, :1], np.zeros((200, 1))], axis=1)
-    split = budgets.quantile_l2_budget(1.0, sparse, 0.5)
-    assert 0 < split[1] < 1e-5 and math.isclose(split[0], 1.0)
-    for bad in (0.0, 1.5, float('nan')):
-        with pytest.raises(ValueError, match='quantile'):
-            budgets.quantile_l2_budget(1.0, norms, bad)
-    with pytest.raises(ValueError, match='public_per_example_norms'):
-        budgets.quantile_l2_budget(1.0, norms[0], 0.5)
-    with pytest.raises(ValueError, match='public_per_example_norms'):
-        budgets.quantile_l2_budget(1.0, -norms, 0.5)
-    with pytest.raises(ValueError, match='no energy'):
-        budgets.quantile_l2_budget(1.0, np.zeros((5, 2)), 0.5)
-
-
-def _rho_model(c2, w, v, ranks, s, noise):
-    """The modelled rho, negative when the update opposes the mean."""
-    c2 = np.asarray(c2)
-    a = np.sqrt(ranks)
-    n = s**2 * (np.dot(a, c2)**2 if noise == 'per_block'
-                else np.dot(ranks, c2**2))
-    return np.dot(w, c2) * abs(np.dot(w, c2)) / (np.dot(v, c2**2) + n)
-
-
-@pytest.mark.parametrize('noise', ['per_block', 'shared'])
-def test_variance_optimal_l2_budget_maximises_its_criterion(noise):
-    rng = np.random.default_rng(5)
-    ranks = np.array([4.0, 12.0, 500.0])
-    for trial in range(12):
-        w = rng.uniform(-0.2, 1.0, 3) * [1.0, 0.5, 0.3]
-        w[0] = abs(w[0]) + 0.05
-        v = rng.uniform(0.05, 1.0, 3)
-        s = float(rng.choice([0.0, 0.01, 0.05, 0.3]))
-        split = np.array(budgets.variance_optimal_l2_budget(
-            1.5, w, v, ranks, noise_std=s, noise=noise))
-        assert math.isclose(float(np.sum(split**2)), 1.5**2, rel_tol=1e-12)
-        assert np.all(split > 0)
-        best = _rho_model(split, w, v, ranks, s, noise)
-        # Independent check: a generic optimiser from many starts, over
-        # the positive part of the sphere (angles).
-        def minus(angles):
-            x = np.array([math.cos(angles[0]) * math.cos(angles[1]),
-                          math.cos(angles[0]) * math.sin(angles[1]),
-                          math.sin(angles[0])])
-            return -_rho_model(x, w, v, ranks, s, noise)
-        found = max(-optimize.minimize(
-            minus, start, method='L-BFGS-B',
-            bounds=[(0, math.pi / 2)] * 2).fun
-            for start in rng.uniform(0, math.pi / 2, (8, 2)))
-        # (A dropped block keeps a budget of 1e-6 of the largest, whose
-        # noise costs up to ~sqrt(r_j) 1e-6 relative.)
-        assert best >= found * (1 - 1e-4), (trial, split, best, found)
-
-
-def test_variance_optimal_l2_budget_limits_and_monotonicity():
-    w, v, ranks = [0.8, 0.3, 0.2], [0.5, 0.2, 0.01], [4, 12, 500]
-    # No noise: c2_j proportional to w_j / v_j, the per-block best scale.
-    split = budgets.variance_optimal_l2_budget(1.0, w, v, ranks, noise_std=0)
-    ratio = np.array(w) / np.array(v)
-    np.testing.assert_allclose(split, ratio / np.linalg.norm(ratio),
-                               rtol=1e-9)
-    # More noise: the largest block's share shrinks, then is left out.
-    shares = [budgets.variance_optimal_l2_budget(
-        1.0, w, v, ranks, noise_std=s)[-1]
-        for s in (0.0, 0.01, 0.03, 0.1, 1.0)]
-    assert shares[0] > shares[1] > shares[2] > 1e-3
-    assert shares[3] < 1e-5 and shares[4] < 1e-5
-    # A block whose public mean direction opposes the mean gets the floor.
-    split = budgets.variance_optimal_l2_budget(1.0, [0.8, -0.1, 0.2], v,
-                                               ranks, noise_std=0.01)
-    assert split[1] < 1e-5 * max(split)
-    for kwargs, match in (
-            (dict(noise_std=-1.0), 'noise_std'),
-            (dict(noise_std=0.1, noise='mixed'), 'noise must be one of'),
-    ):
-        with pytest.raises(ValueError, match=match):
-            budgets.variance_optimal_l2_budget(1.0, w, v, ranks, **kwargs)
-    with pytest.raises(ValueError, match='direction_energies'):
-        budgets.variance_optimal_l2_budget(1.0, w, [0.5, 0.0, 0.1], ranks,
-                                           noise_std=0.1)
-    with pytest.raises(ValueError, match='ranks'):
-        budgets.variance_optimal_l2_budget(1.0, w, v, [4, 12], noise_std=0.1)
-    with pytest.raises(ValueError, match='alignment'):
-        budgets.variance_optimal_l2_budget(1.0, [-1.0, 0.0, -0.1], v, ranks,
-                                           noise_std=0.1)
 
 
 def test_variance_optimal_matches_a_brute_force_search_with_the_accountant():
@@ -334,7 +231,7 @@ def test_variance_optimal_matches_a_brute_force_search_with_the_accountant():
     basis = learning.learn_basis(public, [3], seed=1)
     c, batch, budget = 0.2, 200.0, dict(target_epsilon=8.0, delta=1e-5,
                                        steps=50)
-    stats = budgets.public_block_statistics(basis, public)
+    stats = block_statistics.public_block_statistics(basis, public)
     assert np.min(stats.per_example_norms) > c
     config = TwiceSamplingConfig(num_examples=1000, expected_batch_size=batch,
                                  blocks=(Block(l2_norm_clip=c),))
@@ -368,7 +265,7 @@ def test_variance_optimal_matches_a_brute_force_search_with_the_accountant():
     assert rho(default.l2_norm_clips) < rho(c2) - 0.005
 
 
-@pytest.mark.parametrize('split', budgets.BUDGET_SPLITS)
+@pytest.mark.parametrize('split', splits.BUDGET_SPLITS)
 def test_plan_blocks_splits_keep_the_global_l2_ball(basis_and_public, split):
     basis, public = basis_and_public
     for config, budget in ((_one_block(l2_norm_clip=2.0,
@@ -388,21 +285,22 @@ def test_plan_blocks_splits_keep_the_global_l2_ball(basis_and_public, split):
 def test_plan_blocks_quantile_and_variance_optimal_splits(basis_and_public):
     basis, public = basis_and_public
     config = _one_block(l2_norm_clip=2.0, noise_multiplier=1.3)
-    stats = budgets.public_block_statistics(basis, public, clip_norm=2.0)
+    stats = block_statistics.public_block_statistics(basis, public,
+                                                     clip_norm=2.0)
     for q in (None, 0.9):
         planned = budgets.plan_blocks(config, basis, public,
                                       budget_split='quantile',
                                       budget_quantile=q)
         np.testing.assert_allclose(
             planned.l2_norm_clips,
-            budgets.quantile_l2_budget(2.0, stats.per_example_norms,
-                                       0.5 if q is None else q), rtol=1e-12)
+            splits.quantile_l2_budget(2.0, stats.per_example_norms,
+                                      0.5 if q is None else q), rtol=1e-12)
     # With the config's z, the noise is shared: s = z / (B q2).
     planned = budgets.plan_blocks(config, basis, public,
                                   budget_split='variance_optimal')
     np.testing.assert_allclose(
         planned.l2_norm_clips,
-        budgets.variance_optimal_l2_budget(
+        splits.variance_optimal_l2_budget(
             2.0, stats.alignments, stats.direction_energies,
             basis.block_dimensions, noise_std=1.3 / (50.0 * 0.5),
             noise='shared'), rtol=1e-12)

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tests import reference
-from tf_twice.hybrid import budgets
+from tf_twice.hybrid import block_statistics
 from tf_twice.hybrid import learning
 from tf_twice.keras import basis_refresh
 from tf_twice.mechanism import basis as basis_lib
@@ -386,11 +386,13 @@ def test_public_block_norms_match_numpy(grouped_basis):
         everything = np.concatenate(dense, axis=1)
         left = x - (x @ everything) @ everything.T
         expected.append(np.mean(np.linalg.norm(left, axis=1)))
-        got = budgets.public_block_norms(basis, grads, clip_norm=clip,
-                                           chunk_size=7)
+        got = block_statistics.public_block_norms(basis, grads,
+                                                  clip_norm=clip,
+                                                  chunk_size=7)
         np.testing.assert_allclose(got, expected, rtol=1e-5)
         np.testing.assert_allclose(
-            budgets.public_block_norms(basis, flat, clip_norm=clip), got,
+            block_statistics.public_block_norms(basis, flat,
+                                                clip_norm=clip), got,
             rtol=1e-6)
 
 
