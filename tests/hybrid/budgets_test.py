@@ -214,6 +214,12 @@ def test_public_block_statistics_match_a_dense_reading(basis_and_public):
         norms * np.minimum(1.0, 0.5 / totals)[:, None], rtol=1e-4)
     np.testing.assert_allclose(clipped.alignments, stats.alignments,
                                rtol=1e-6)  # float32 projections, chunked.
+    # Read by gradients.read_gradients, as learn_basis reads them.
+    with pytest.raises(ValueError, match='public_gradients must be finite'):
+        block_statistics.public_block_statistics(
+            basis, np.where(public > 1.0, np.nan, public))
+    with pytest.raises(ValueError, match='2-D'):
+        block_statistics.public_block_statistics(basis, public[0])
 
 
 def test_variance_optimal_matches_a_brute_force_search_with_the_accountant():

@@ -6,7 +6,8 @@ reduces a set of public per-example gradients to the few numbers per block
 that ``budget_splits`` turns into l2 clips: the per-example projection norms
 (their mean sets the 'projection_norms' split, a quantile the 'quantile'
 split) and the alignment and energy of the mean direction per block (the
-'variance_optimal' split).
+'variance_optimal' split). It reads the gradients through
+``gradients.read_gradients``, as the rest of ``tf_twice.hybrid`` does.
 
 Privacy: feed PUBLIC gradients only: these statistics set clip budgets, and
 budgets computed from private gradients would leak them.
@@ -19,9 +20,9 @@ from typing import Optional
 
 import attr
 import numpy as np
-import tensorflow as tf
 
 from tf_twice import _validate
+from tf_twice.hybrid import gradients as gradients_lib
 from tf_twice.mechanism import basis as basis_lib
 
 __all__ = [
@@ -84,16 +85,11 @@ def public_block_statistics(basis: basis_lib.HybridBasis,
             clip_norm)):
         raise ValueError(
             f'clip_norm must be a finite number > 0 or None; got {clip_norm}.')
-    if isinstance(public_gradients, (np.ndarray, tf.Tensor)):
-        per_group = [np.asarray(t) for t in
-                     basis.split_flat(np.asarray(public_gradients,
-                                                 dtype=np.float32))]
-    else:
-        per_group = [np.asarray(t) for t in basis.flatten(
-            [np.asarray(t, dtype=np.float32) for t in public_gradients])]
+    per_group = [np.asarray(t) for t in basis.flatten(
+        gradients_lib.read_gradients(
+            public_gradients, 'public_gradients', layout='per_variable',
+            variable_shapes=basis.variable_shapes))]
     n = per_group[0].shape[0]
-    if n < 1:
-        raise ValueError('public_gradients must hold at least one example.')
     norms = []
     raw_sums = None  # Per block, sum_i a_ij (one array per group).
     unit_sums = None  # Per block, sum_i a_ij / ||a_ij||.

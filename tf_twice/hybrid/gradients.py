@@ -1,12 +1,12 @@
 """The one reader of per-example gradients handed to the host-side tools.
 
-``learning.learn_basis``, ``diagnostics.gradient_geometry`` and
-``diagnostics.coordinate_significance`` take per-example gradients in either
-of two forms: one 2-D array [n, d] (variables in natural order), or
-per-variable arrays [n, *shape_v] sharing n (what
-``tf_twice.keras.basis_refresh.public_per_example_gradients`` returns).
-``read_gradients`` accepts both, checks them the same way, and returns the
-layout its caller computes on.
+``learning.learn_basis``, ``block_statistics.public_block_statistics``,
+``diagnostics.gradient_geometry`` and ``diagnostics.coordinate_significance``
+take per-example gradients in either of two forms: one 2-D array [n, d]
+(variables in natural order), or per-variable arrays [n, *shape_v] sharing n
+(what ``tf_twice.keras.basis_refresh.public_per_example_gradients``
+returns). ``read_gradients`` accepts both, checks them the same way, and
+returns the layout its caller computes on.
 """
 
 from __future__ import annotations
