@@ -1,46 +1,15 @@
-"""Poisson-sampled logical batches for DP-SGD (SPEC section 5).
+"""The tf.data pipelines of Poisson-sampled logical batches.
 
-The accountant (`tf_twice.accounting`) proves its bound for *Poisson
-sampling*: at every step each of the n training examples joins the logical
-batch independently with probability q1 (`example_sampling_rate`), and the
-randomness of different steps is independent. This module produces exactly
-that, as a `tf.data.Dataset` whose every element is ONE logical batch, i.e.
-one DP step:
-
-    (x, y, sample_weight)
-
-* the batch size is k ~ Binomial(n, q1) and the examples are a uniformly
-  random k-subset drawn without replacement. This is the same distribution as
-  n independent coin flips, at O(k) cost per step instead of O(n);
-* the leading size is k: `DPModel` cuts a batch of any size into its own
-  microbatches, so no padding rows are computed. Only on request
-  (`physical_batch_size`, for fixed shapes) is it zero-padded up to a
-  multiple; `sample_weight` is 1.0 for the k real examples and 0.0 for the
-  padding. k = 0 gives an empty element: an empty logical batch is a legal DP
-  step (the released sum is pure noise) and is emitted, never skipped;
-* the randomness of step g is a stateless function of (seed, g), so a run is
-  reproducible from its seed, and steps use independent streams.
-
-Why `ds.shuffle(n).batch(B)` is NOT Poisson sampling: fixed-size batches that
-partition a shuffled epoch make the steps dependent (an example used in one
-batch cannot appear in another batch of the same epoch) and reveal the batch
-size, which is not what the accountant analyses. Its epsilon is then not a
-valid bound. Training code can tell the two apart with
-`get_poisson_sampling_info(dataset)`, which recognises datasets built here
-(also through `prefetch`, `take`, `skip`, `repeat`, `with_options`), and
-`tf_twice.keras.guards.check_poisson_input` refuses everything else.
-
-Re-iterating a dataset never replays batches: every new iterator (each Keras
-epoch over a finite dataset, a second `fit` call, `repeat()`) draws fresh
-step indices. Reusing a seed *across processes* does replay them, so a run
-resumed after a crash must use a new seed (the default `seed=None` draws one)
-or a `start_step` past every step index the earlier run produced; training
-twice on the same subsample is not what the accountant composes.
+``poisson_batches`` samples in-memory arrays; ``poisson_batches_from_dataset``
+reads a finite tf.data source into memory once and samples that. Every
+element is one logical batch (one DP step) whose examples are those that
+``indices.sample_indices`` draws for its step index; each new iterator
+continues with fresh step indices. The dataset carries a
+``markers.PoissonSamplingInfo``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from typing import Any, Callable, Optional, Tuple
 
@@ -48,215 +17,22 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice import _keras  # noqa: F401  pylint: disable=unused-import
-from tf_twice import config as config_lib
+from tf_twice.sampling import indices as indices_lib
+from tf_twice.sampling.markers import MARKER_ATTR
+from tf_twice.sampling.markers import PoissonSamplingInfo
+from tf_twice.sampling.schedule import check_int
+from tf_twice.sampling.schedule import poisson_schedule
 
 __all__ = [
     'DEFAULT_MAX_BYTES',
-    'PoissonSamplingInfo',
-    'PoissonSchedule',
-    'get_poisson_sampling_info',
     'poisson_batches',
     'poisson_batches_from_dataset',
-    'poisson_schedule',
-    'sample_logical_batch_indices',
 ]
 
 # Host memory a tf.data source may be materialised into by default.
 DEFAULT_MAX_BYTES = 4 * 2**30
-
-# Domain separation: the sampling stream for (seed, step) differs from any
-# other stateless stream (e.g. the noise) that happens to use the same seed.
-_DOMAIN_TAG = 0x5477695053616D70  # 'TwiPSamp'
-_MAX_SEED = 2**63
 # Step-index stride between iterations of an infinite dataset.
 _INFINITE_STRIDE = 2**40
-_MARKER_ATTR = '_tf_twice_poisson_sampling'
-# Transformations of a logical-batch dataset that keep it Poisson: they only
-# prefetch, truncate, re-iterate (which draws fresh steps) or set options.
-_TRANSPARENT_DATASETS = frozenset([
-    '_AssertCardinalityDataset',
-    '_MaxIntraOpParallelismDataset',
-    '_OptionsDataset',
-    '_PrefetchDataset',
-    '_PrivateThreadPoolDataset',
-    '_RepeatDataset',
-    '_SkipDataset',
-    '_TakeDataset',
-])
-
-
-@dataclasses.dataclass(frozen=True)
-class PoissonSchedule:
-    """Epoch bookkeeping of Poisson sampling.
-
-    Attributes:
-      num_examples: n, the size of the private dataset.
-      example_sampling_rate: q1 in (0, 1].
-      expected_batch_size: n * q1, the mean logical batch size.
-      steps_per_epoch: round(1 / q1) (halves up), the number of steps after
-        which each example has been used once in expectation.
-    """
-    num_examples: int
-    example_sampling_rate: float
-    expected_batch_size: float
-    steps_per_epoch: int
-
-
-@dataclasses.dataclass(frozen=True)
-class PoissonSamplingInfo:
-    """Marker carried by a dataset of Poisson-sampled logical batches.
-
-    Attributes:
-      num_examples: n.
-      example_sampling_rate: q1.
-      expected_batch_size: n * q1.
-      physical_batch_size: logical batches are padded to a multiple of it,
-        or None (not padded).
-      steps: logical batches per iteration, or None for an infinite dataset.
-      steps_per_epoch: round(1 / q1).
-      seed: the seed of the sampling stream (drawn at random if not given).
-      start_step: the step index of the first batch.
-    """
-    num_examples: int
-    example_sampling_rate: float
-    expected_batch_size: float
-    physical_batch_size: Optional[int]
-    steps: Optional[int]
-    steps_per_epoch: int
-    seed: int
-    start_step: int
-
-
-def _check_int(name: str, value: Any, low: int,
-               high: Optional[int] = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-            value, (int, np.integer)):
-        raise ValueError(f'{name} must be an integer >= {low}; got {value!r}.')
-    value = int(value)
-    if value < low or (high is not None and value >= high):
-        bound = f'in [{low}, {high})' if high is not None else f'>= {low}'
-        raise ValueError(f'{name} must be an integer {bound}; got {value}.')
-    return value
-
-
-def _resolve_rate(num_examples: int, example_sampling_rate: Optional[float],
-                  expected_batch_size: Optional[float]) -> float:
-    """q1 from exactly one of (q1, expected batch size n * q1)."""
-    if (example_sampling_rate is None) == (expected_batch_size is None):
-        raise ValueError('Give exactly one of example_sampling_rate (q1 in '
-                         '(0, 1]) and expected_batch_size (in (0, '
-                         f'num_examples={num_examples}]).')
-    if example_sampling_rate is not None:
-        q1 = float(example_sampling_rate)
-        if not 0.0 < q1 <= 1.0:  # Also rejects NaN.
-            raise ValueError('example_sampling_rate must be in (0, 1]; got '
-                             f'{example_sampling_rate!r}.')
-        return q1
-    b = float(expected_batch_size)
-    if not 0.0 < b <= num_examples:
-        raise ValueError(f'expected_batch_size must be in (0, num_examples='
-                         f'{num_examples}]; got {expected_batch_size!r}.')
-    return b / num_examples
-
-
-def poisson_schedule(num_examples: int, *,
-                     example_sampling_rate: Optional[float] = None,
-                     expected_batch_size: Optional[float] = None
-                     ) -> PoissonSchedule:
-    """Steps per epoch and expected batch size of Poisson sampling.
-
-    Args:
-      num_examples: n >= 1.
-      example_sampling_rate: q1 in (0, 1]; or
-      expected_batch_size: n * q1 in (0, n] (exactly one of the two).
-
-    Returns:
-      A `PoissonSchedule` with q1, n * q1 and round(1 / q1).
-
-    Raises:
-      ValueError: for an argument outside its range.
-    """
-    n = _check_int('num_examples', num_examples, 1)
-    q1 = _resolve_rate(n, example_sampling_rate, expected_batch_size)
-    return PoissonSchedule(num_examples=n, example_sampling_rate=q1,
-                           expected_batch_size=n * q1,
-                           steps_per_epoch=config_lib.steps_per_epoch(q1))
-
-
-def _base_key(seed: int) -> tf.Tensor:
-    return tf.constant([seed, _DOMAIN_TAG], dtype=tf.int64)
-
-
-def _fold_in(key: tf.Tensor, data) -> tf.Tensor:
-    return tf.random.experimental.stateless_fold_in(
-        key, tf.cast(data, tf.int64))
-
-
-def _uniform_subset(n: int, k: tf.Tensor, key: tf.Tensor) -> tf.Tensor:
-    """A uniformly random k-subset of range(n) in O(min(k, n - k)) expected.
-
-    Draws indices with replacement and keeps the first m distinct ones,
-    m = min(k, n - k). The procedure commutes with every relabelling of
-    range(n), so the resulting m-subset is uniform (the symmetric group acts
-    transitively on m-subsets); for k > n / 2 the m-subset is the excluded
-    set, whose complement is then a uniform k-subset. Since m <= n / 2, the
-    expected number of draws is below 2m.
-    """
-    m = tf.minimum(k, n - k)
-
-    def cond(unused_round, chosen):
-        return tf.size(chosen, out_type=tf.int64) < m
-
-    def body(round_index, chosen):
-        need = m - tf.size(chosen, out_type=tf.int64)
-        draws = tf.random.stateless_uniform(
-            tf.reshape(need, [1]), seed=_fold_in(key, round_index),
-            minval=0, maxval=n, dtype=tf.int64)
-        # tf.unique keeps first occurrences in order: `chosen` stays a prefix.
-        merged, _ = tf.unique(tf.concat([chosen, draws], axis=0))
-        return round_index + 1, merged
-
-    _, chosen = tf.while_loop(
-        cond, body, (tf.constant(0, tf.int64), tf.zeros([0], tf.int64)),
-        shape_invariants=(tf.TensorShape([]), tf.TensorShape([None])))
-
-    def complement():
-        excluded = tf.scatter_nd(chosen[:, None],
-                                 tf.ones_like(chosen, dtype=tf.int32), [n])
-        return tf.where(tf.equal(excluded, 0))[:, 0]
-
-    return tf.cond(k > n - k, complement, lambda: chosen)
-
-
-def _sample_indices(n: int, q1: float, key: tf.Tensor) -> tf.Tensor:
-    """Poisson sample of range(n) for one step; `key` is the step's key."""
-    if q1 >= 1.0:
-        return tf.range(n, dtype=tf.int64)
-    k = tf.random.stateless_binomial(
-        [], seed=_fold_in(key, 0), counts=tf.constant(float(n), tf.float64),
-        probs=tf.constant(q1, tf.float64), output_dtype=tf.int64)
-    return _uniform_subset(n, k, _fold_in(key, 1))
-
-
-def sample_logical_batch_indices(num_examples: int, *,
-                                 example_sampling_rate: float, seed: int,
-                                 step: int) -> np.ndarray:
-    """Indices of the examples in logical batch `step` of stream `seed`.
-
-    These are exactly the examples that `poisson_batches(...,
-    example_sampling_rate=q1, seed=seed)` puts in its batch with step index
-    `step` (real examples, before padding). Each example is included with
-    probability q1, independently of the others and of other steps.
-
-    Raises:
-      ValueError: for an argument outside its range.
-    """
-    n = _check_int('num_examples', num_examples, 1)
-    q1 = _resolve_rate(n, example_sampling_rate, None)
-    seed = _check_int('seed', seed, 0, _MAX_SEED)
-    step = _check_int('step', step, 0)
-    key = _fold_in(_base_key(seed), step)
-    return _sample_indices(n, q1, key).numpy()
 
 
 def _num_examples_of(x, y) -> int:
@@ -369,7 +145,7 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
                                 expected_batch_size=expected_batch_size)
     q1 = schedule.example_sampling_rate
     p = (1 if physical_batch_size is None else
-         _check_int('physical_batch_size', physical_batch_size, 1))
+         check_int('physical_batch_size', physical_batch_size, 1))
     if not isinstance(repeat, bool):
         raise ValueError(f'repeat must be True or False; got {repeat!r}.')
     if repeat and steps is not None:
@@ -377,16 +153,16 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
                          'is infinite); got steps={steps!r}.')
     if not repeat:
         steps = (schedule.steps_per_epoch if steps is None
-                 else _check_int('steps', steps, 1))
+                 else check_int('steps', steps, 1))
     if seed is None:
-        seed = secrets.randbelow(_MAX_SEED)
-    seed = _check_int('seed', seed, 0, _MAX_SEED)
-    start_step = _check_int('start_step', start_step, 0)
+        seed = secrets.randbelow(indices_lib.MAX_SEED)
+    seed = check_int('seed', seed, 0, indices_lib.MAX_SEED)
+    start_step = check_int('start_step', start_step, 0)
     if preprocess_fn is not None and not callable(preprocess_fn):
         raise ValueError('preprocess_fn must be None or a callable '
                          f'(x_batch, y_batch) -> (x_batch, y_batch); got '
                          f'{preprocess_fn!r}.')
-    base_key = _base_key(seed)
+    base_key = indices_lib.base_key(seed)
 
     # Each new iterator takes the next iteration index, so re-iterating never
     # replays step indices (and hence never replays a sample).
@@ -413,7 +189,8 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
 
     @tf.autograph.experimental.do_not_convert
     def logical_batch(step):
-        indices = _sample_indices(n, q1, _fold_in(base_key, step))
+        indices = indices_lib.sample_indices(
+            n, q1, indices_lib.fold_in(base_key, step))
         k = tf.size(indices, out_type=tf.int64)
         xb = tf.nest.map_structure(lambda t: tf.gather(t, indices), x)
         yb = tf.nest.map_structure(lambda t: tf.gather(t, indices), y)
@@ -441,7 +218,7 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
         steps=None if repeat else steps,
         steps_per_epoch=schedule.steps_per_epoch, seed=seed,
         start_step=start_step)
-    setattr(ds, _MARKER_ATTR, info)
+    setattr(ds, MARKER_ATTR, info)
     # Keep the counter alive as long as the dataset object.
     setattr(ds, '_tf_twice_iterations', iterations)
     return ds
@@ -495,7 +272,7 @@ def poisson_batches_from_dataset(
     if not isinstance(source, tf.data.Dataset):
         raise ValueError('source must be a tf.data.Dataset of (x, y) pairs; '
                          f'got {type(source).__name__}.')
-    max_bytes = _check_int('max_bytes', max_bytes, 1)
+    max_bytes = check_int('max_bytes', max_bytes, 1)
     spec = source.element_spec
     if not (isinstance(spec, tuple) and len(spec) == 2):
         raise ValueError('source elements must be (x, y) pairs (e.g. tfds '
@@ -542,28 +319,3 @@ def poisson_batches_from_dataset(
         example_sampling_rate=example_sampling_rate,
         expected_batch_size=expected_batch_size, steps=steps, repeat=repeat,
         seed=seed, start_step=start_step, preprocess_fn=preprocess_fn)
-
-
-def get_poisson_sampling_info(dataset: Any) -> Optional[PoissonSamplingInfo]:
-    """The `PoissonSamplingInfo` of a logical-batch dataset, else None.
-
-    Recognises datasets returned by `poisson_batches[_from_dataset]`, also
-    after transformations that keep every element a fresh Poisson sample:
-    `prefetch`, `take`, `skip`, `repeat`, `with_options`,
-    `assert_cardinality`. Anything else (`map`, `batch`, `unbatch`, `cache`
-    which replays batches, `shuffle`, a plain `shuffle().batch()` pipeline,
-    numpy arrays, generators) gives None.
-    """
-    seen = 0
-    while isinstance(dataset, tf.data.Dataset) and seen < 1000:
-        info = getattr(dataset, _MARKER_ATTR, None)
-        if isinstance(info, PoissonSamplingInfo):
-            return info
-        if type(dataset).__name__ not in _TRANSPARENT_DATASETS:
-            return None
-        inputs = dataset._inputs()  # pylint: disable=protected-access
-        if len(inputs) != 1:
-            return None
-        dataset = inputs[0]
-        seen += 1
-    return None
