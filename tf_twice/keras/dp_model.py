@@ -22,35 +22,16 @@ each ``train_step`` is one (q1, q2)-twice-sampled Gaussian mechanism, exactly
 Sampling" theorem); the optimizer update is post-processing. The loss and
 metrics of ``fit`` are computed on the private batch without noise and carry
 the prefix ``nonprivate_`` so that nobody mistakes them for released values.
+What ``fit`` refuses before any step is in ``fit_checks``.
 
-Hybrid clipping: with ``basis=`` (a ``HybridBasis`` learned from PUBLIC
-data) and one Block per basis block, each block is clipped, masked, summed
-and noised on its own (``block_dimensions = basis.block_dimensions``).
-``set_basis`` changes it between steps without retracing. The basis is NOT
-part of checkpoints: a resumed run relearns or reloads it.
-
-Accounting: ``PrivacyLedger.for_model(model, delta=...)`` accounts
-``DPModel.dp_event()``; with a ledger, ``fit`` refuses input that is not
-Poisson-sampled from the config's n at its q1 and another event (``guards``).
-
-Secrets: the step keys that determine every mask and all noise live in the
-``PrivateAggregator`` and are never part of a model artifact (checkpoints,
-``.keras``, ``.h5``, SavedModel, ``get_config``). A new process draws fresh
-keys from OS entropy; a seeded model follows its seed only from a fresh
-start (step 0, the weights it was wrapped with), so a resumed or forked run
-never replays noise. A bit-reproducible seeded run saves its stream in a
-separate, SECRET file (``save_random_state`` / ``load_random_state``).
-
-Distribution: under a ``tf.distribute`` strategy, masks are keyed by the
-example's global position and noise is added once per logical batch: the
-update equals the single-device one for any number of replicas.
-
-Optimizer path (Keras 2 with tensorflow-privacy): compiled with a tf_twice
-DP optimizer (``TwiceSamplingDPKerasSGDOptimizer``...), a DPModel without a
-config runs the optimizer's mechanism here. On Keras 3 give the config to
-DPModel and compile with a plain Keras optimizer: the same mechanism.
-``compile`` defaults to ``jit_compile=False`` (XLA cannot compile the seeded
-step keys' hashing, and was slower on CPU).
+README.md documents the rest once: the optimizer path (a DPModel without a
+config, compiled with a tf_twice DP optimizer), hybrid clipping (``basis=``,
+``set_basis``), the step keys that no model artifact holds and the seeded
+runs ("Secrets, checkpoints and seeds"), and the update that is the same
+for any number of replicas ("Several devices"). The basis is NOT part of
+checkpoints: a resumed run relearns or reloads it. ``compile`` defaults to
+``jit_compile=False`` (XLA cannot compile the seeded step keys' hashing, and
+was slower on CPU).
 """
 
 import logging
@@ -62,9 +43,8 @@ from tf_twice import _keras
 from tf_twice import _validate
 from tf_twice import config as config_lib
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.keras import fit_checks
 from tf_twice.keras import guards
-from tf_twice.keras import ledger as ledger_lib
-from tf_twice.keras import layer_state
 from tf_twice.keras import per_example
 from tf_twice.keras.per_example import default_physical_batch_size
 from tf_twice.mechanism import aggregator as aggregator_lib
@@ -342,25 +322,9 @@ class DPModel(tf.keras.Model):
             raise ValueError('allow_non_poisson_input must be True or False; '
                              f'got {allow_non_poisson_input!r}.')
         self._require_aggregator()
-        guards.check_sharding(self.distribute_strategy, x)
-        for ledger in ledger_lib.ledgers_in(callbacks):
-            guards.check_ledger_event(ledger.event, self)
-            guards.check_poisson_input(
-                x, example_sampling_rate=self.config.example_sampling_rate,
-                num_examples=self.config.num_examples,
-                strict=not allow_non_poisson_input)
-            guards.check_no_nonprivate_monitor(callbacks, NONPRIVATE_PREFIX)
-        # Positional: validation_split, validation_data, shuffle,
-        # class_weight, sample_weight (the same on Keras 2 and 3).
-        per_example.check_weights(
-            'sample_weight', args[4] if len(args) > 4 else
-            kwargs.get('sample_weight'))
-        per_example.check_weights(
-            'class_weight', args[3] if len(args) > 3 else
-            kwargs.get('class_weight'))
-        layer_state.check_no_input_dependent_state(
-            self.inner_model, layer_state.input_spec_of(x),
-            self.distribute_strategy)
+        fit_checks.check_fit(self, x, callbacks, args, kwargs,
+                             strict=not allow_non_poisson_input,
+                             nonprivate_prefix=NONPRIVATE_PREFIX)
         is_dataset = isinstance(x, tf.data.Dataset)
         if is_dataset and len(args) < 3:
             # Each element is one logical batch: there is nothing to
@@ -498,9 +462,9 @@ class DPModel(tf.keras.Model):
     def get_config(self) -> Dict[str, Any]:
         """The wrapped model and the mechanism's public parameters.
 
-        Holds no seed and no random state (see the module docstring). A
-        model compiled with a DP optimizer keeps its mechanism in the
-        optimizer's config.
+        Holds no seed and no random state (README.md, "Secrets,
+        checkpoints and seeds"). A model compiled with a DP optimizer keeps
+        its mechanism in the optimizer's config.
         """
         config = {
             'model': tf.keras.utils.serialize_keras_object(self.inner_model),

@@ -1,0 +1,58 @@
+"""What ``DPModel.fit`` refuses before any step runs, in the order it runs.
+
+``DPModel.fit``'s docstring states the contract (Poisson input from the
+config's n at its q1, the ledger's event, no callback acting on a
+``nonprivate_*`` log). ``check_fit`` runs those refusals and the ones that
+need no ledger: a multi-worker dataset that would sum an example once per
+worker, weights outside [0, 1], and layers that write statistics of their
+inputs into their state. The checks themselves live in ``guards``,
+``per_example`` and ``layer_state``; this module is the one place that
+composes them for ``fit``.
+"""
+
+from typing import Any, Mapping, Sequence
+
+from tf_twice.keras import guards
+from tf_twice.keras import layer_state
+from tf_twice.keras import ledger as ledger_lib
+from tf_twice.keras import per_example
+
+__all__ = ['check_fit']
+
+
+def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
+              kwargs: Mapping[str, Any], *, strict: bool,
+              nonprivate_prefix: str) -> None:
+    """Refuses a ``fit`` call of ``model`` (a DPModel with a mechanism).
+
+    Args:
+      model: the DPModel, whose ``config`` is set.
+      x, callbacks: ``fit``'s.
+      args, kwargs: ``fit``'s other positional and keyword arguments, read
+        for ``class_weight`` and ``sample_weight``.
+      strict: False downgrades the refusal of non-Poisson input to a
+        ``NonPoissonInputWarning`` (``guards.check_poisson_input``).
+      nonprivate_prefix: the prefix of the logs computed without noise.
+
+    Raises:
+      ValueError: see the module docstring.
+    """
+    guards.check_sharding(model.distribute_strategy, x)
+    for ledger in ledger_lib.ledgers_in(callbacks):
+        guards.check_ledger_event(ledger.event, model)
+        guards.check_poisson_input(
+            x, example_sampling_rate=model.config.example_sampling_rate,
+            num_examples=model.config.num_examples,
+            strict=strict)
+        guards.check_no_nonprivate_monitor(callbacks, nonprivate_prefix)
+    # Positional: validation_split, validation_data, shuffle,
+    # class_weight, sample_weight (the same on Keras 2 and 3).
+    per_example.check_weights(
+        'sample_weight', args[4] if len(args) > 4 else
+        kwargs.get('sample_weight'))
+    per_example.check_weights(
+        'class_weight', args[3] if len(args) > 3 else
+        kwargs.get('class_weight'))
+    layer_state.check_no_input_dependent_state(
+        model.inner_model, layer_state.input_spec_of(x),
+        model.distribute_strategy)
