@@ -4,16 +4,10 @@ An optimizer only sees the batch loss, so tf_privacy's optimizers get
 per-example gradients from ``tape.jacobian`` (O(B^2), and not isolated).
 ``DPModel.train_step`` takes them from ``tf_twice.keras.per_example``, one
 forward and backward pass per example under ``tf.vectorized_map`` (O(B)),
-and feeds them to its ``PrivateAggregator`` (``tf_twice.mechanism``).
-
-Input contract: each dataset element is ONE logical batch ``(x, y)`` or
-``(x, y, sample_weight)`` (weights in [0, 1]: 1 real, 0 padding) whose size
-may change between steps, 0 included (an empty logical batch is a valid DP
-step whose update is pure noise). The step cuts it into physical microbatches
-of ``physical_batch_size`` rows, the last one as large as what is left (no
-padding rows are computed), runs them in a ``tf.while_loop``, accumulates the
-clipped masked sums, adds noise once and applies the update with the compiled
-optimizer.
+and feeds them to its ``PrivateAggregator`` (``tf_twice.mechanism``). Each
+dataset element is ONE logical batch ``(x, y)`` or ``(x, y, sample_weight)``;
+``dp_step.private_update`` turns it into the noisy update (its docstring
+states the input contract), which the compiled optimizer applies.
 
 Privacy: the mechanism is the model's ``TwiceSamplingConfig``. With Poisson
 sampling of its n examples at rate q1 (``expected_batch_size`` = n * q1)
@@ -43,6 +37,7 @@ from tf_twice import _keras
 from tf_twice import _validate
 from tf_twice import config as config_lib
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.keras import dp_step
 from tf_twice.keras import fit_checks
 from tf_twice.keras import guards
 from tf_twice.keras import per_example
@@ -415,31 +410,16 @@ class DPModel(tf.keras.Model):
         size = tf.shape(tf.nest.flatten(x)[0])[0]
         weights = per_example.example_weights(sample_weight, size,
                                                bounded=True)
-        chunk = self.physical_batch_size
-        num_chunks = (size + chunk - 1) // chunk
-
         variables = self.inner_model.trainable_variables
-        key = aggregator.begin(variables, self.optimizer.iterations)
-        # Masks are keyed by an example's position in the whole logical
-        # batch, also when replicas share it.
-        first_row = aggregator_lib.global_offset(size)
 
-        def body(i, sums):
-            xc, yc, wc = per_example.chunk_of((x, y, weights), i, chunk, size)
-            grads, losses, predictions = per_example.gradients(
-                self.inner_model, self._example_loss, xc, yc)
-            sums = aggregator.accumulate(
-                sums, grads, variables, weights=wc, key=key,
-                example_offset=first_row + i * chunk)
+        def on_chunk(yc, predictions, losses, wc):
             self._update_metrics(yc, predictions, losses, wc,
                                  sample_weight is not None)
-            return i + 1, sums
 
-        _, sums = tf.while_loop(
-            lambda i, _: i < num_chunks, body,
-            (tf.constant(0), aggregator.zero_sums(variables)),
-            parallel_iterations=1)
-        update = aggregator.finish(sums, key, variables)
+        update = dp_step.private_update(
+            aggregator, self.inner_model, self._example_loss, x, y, weights,
+            size, variables, physical_batch_size=self.physical_batch_size,
+            step=self.optimizer.iterations, on_chunk=on_chunk)
         self._apply_update(update, variables)
         # Computed on the private batch without noise: not private.
         return {f'{NONPRIVATE_PREFIX}{name}': value
