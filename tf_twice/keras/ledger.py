@@ -408,6 +408,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         # Refused before any step runs, so nothing is charged for them.
         guards.check_no_example_mixing(self.model)
         guards.check_ledger_event(self.event, self.model)
+        guards.check_update_is_post_processing(self.model)
         self._unblock()
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
