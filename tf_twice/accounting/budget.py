@@ -31,9 +31,10 @@ State file (JSON, `format` 'tf_twice.PrivacyLedger', `version` 1):
 
 EVENT is `DpEvent.to_named_tuple()` as JSON: {"module_name", "class_name",
 "arguments": {field: value}} with nested events in the same form and
-tuples as lists. On load, `steps`, `epsilon` and `optimal_order` are
-recomputed from the segments; only dp_accounting and tf_twice event
-classes are accepted.
+tuples as lists. On load, `epsilon` and `optimal_order` are recomputed
+from the segments, whose counts must add up to `steps` (a file with its
+segments missing, cut or edited is refused, not read as fewer steps);
+only dp_accounting and tf_twice event classes are accepted.
 """
 
 from __future__ import annotations
@@ -154,27 +155,63 @@ def check_state_path(state_path: Any) -> str:
 def _read_state(path: str) -> Dict[str, Any]:
     try:
         with open(path) as f:
-            return json.load(f)
+            state = json.load(f)
     except (OSError, ValueError) as e:
         # Refuse rather than start from zero: that would reset the budget.
         raise ValueError(
             f'Cannot read the privacy ledger at state_path={path!r} ({e}); '
             'fix or move it deliberately.') from e
+    if not isinstance(state, dict):
+        raise ValueError(
+            f'The privacy ledger at state_path={path!r} is not a JSON object; '
+            'fix or move it deliberately.')
+    return state
 
 
 def _parse_segments(state: Mapping[str, Any]
                     ) -> List[Tuple[dp_accounting.DpEvent, int]]:
+    """The (event, count) segments of a state, checked for consistency.
+
+    A state the ledger wrote always has a list of segments whose counts add
+    up to its ``steps``. One that does not (segments missing, emptied or cut,
+    ``steps`` edited) is refused: read as it stands it would restart the
+    privacy spent from fewer steps than were charged.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError('A privacy ledger state must be a JSON object; got '
+                         f'{type(state).__name__}.')
     if state.get('format') != STATE_FORMAT:
         raise ValueError(f"state must have format {STATE_FORMAT!r}; got "
                          f"{state.get('format')!r}.")
     if state.get('version') != STATE_VERSION:
         raise ValueError(f'state version must be {STATE_VERSION}; got '
                          f"{state.get('version')!r}.")
+    raw = state.get('segments')
+    if not isinstance(raw, list):
+        raise ValueError('state must hold its list of segments; got '
+                         f'segments={raw!r}. Refused rather than read as no '
+                         'steps: fix or move the file deliberately.')
     segments = []
-    for segment in state.get('segments', []):
+    total = 0
+    for segment in raw:
+        if not isinstance(segment, Mapping) or 'event' not in segment:
+            raise ValueError('every segment of the state must be an object '
+                             f'with an event and a count; got {segment!r}.')
         count = _validate.integer('segment count', segment.get('count'), 0)
+        total += count
         if count:
             segments.append((event_from_json(segment['event']), count))
+    steps = _validate.integer('state steps', state.get('steps'), 0)
+    if steps != total:
+        raise ValueError(
+            f'state says steps={steps}, but its segments hold {total} steps: '
+            'the file was cut or edited. Refused rather than read as the '
+            'smaller count: fix or move it deliberately.')
+    reserved = _validate.integer('state reserved_steps',
+                                 state.get('reserved_steps', 0), 0)
+    if reserved > steps:
+        raise ValueError(f'state reserved_steps={reserved} exceeds its '
+                         f'steps={steps}.')
     return segments
 
 

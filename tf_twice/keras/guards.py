@@ -16,9 +16,12 @@ assumptions the code cannot enforce by itself:
    the batch and is not covered by the accountant;
 5. the accountant's event is the step that runs: a DP model's event is
    derived from its config (``DPModel.dp_event``), and a ledger with any
-   other event is refused (`check_ledger_event`);
+   other event is refused (`check_ledger_event`), as is a config whose
+   block dimensions are not the model's (`check_mechanism_fits_variables`);
 6. under a multi-worker strategy every worker takes its own share of the
-   same logical batch, so each example is summed once (`check_sharding`).
+   same logical batch, so each example is summed once (`check_sharding`),
+   and under any multi-replica strategy the optimizer acts on the summed
+   noisy update only (`check_update_is_post_processing`).
 
 Every check raises ValueError naming what is wrong and what to use instead.
 `check_poisson_input` is strict by default: a non-Poisson dataset is refused
@@ -44,10 +47,12 @@ from tf_twice.mechanism import aggregator as aggregator_lib
 __all__ = [
     'NonPoissonInputWarning',
     'check_ledger_event',
+    'check_mechanism_fits_variables',
     'check_no_example_mixing',
     'check_per_example_loss',
     'check_poisson_input',
     'check_sharding',
+    'check_update_is_post_processing',
 ]
 
 
@@ -357,6 +362,55 @@ def _same_on_every_replica(strategy: tf.distribute.Strategy,
     return bool((gathered == gathered[:1]).all())
 
 
+def check_update_is_post_processing(model: Any) -> None:
+    """Refuses optimizer clipping that would act on one replica's share.
+
+    Under a strategy with R > 1 replicas each replica holds its share of
+    the update (only replica 0 holds the noise) and the optimizer's
+    cross-replica SUM is the released noisy update. Keras 3 applies
+    ``clipnorm``, ``clipvalue`` and ``global_clipnorm`` to every replica's
+    share BEFORE that sum (Keras 2 after it), so the update applied would
+    contain the clipped noise-free sums of the other replicas' examples: a
+    function of private data that is not post-processing of the noisy
+    update, which no accountant covers (and not the single-device update).
+
+    Raises:
+      ValueError: naming the setting and the fix.
+    """
+    if not _keras.IS_KERAS_3:
+        return
+    strategy = getattr(model, 'distribute_strategy', None)
+    if strategy is None or strategy.num_replicas_in_sync <= 1:
+        return
+    optimizer = getattr(model, 'optimizer', None)
+    # A LossScaleOptimizer clips with its inner optimizer.
+    for opt in (optimizer, getattr(optimizer, 'inner_optimizer', None)):
+        for name in ('clipnorm', 'clipvalue', 'global_clipnorm'):
+            if getattr(opt, name, None) is not None:
+                raise ValueError(
+                    f'{type(opt).__name__}({name}={getattr(opt, name)!r}) '
+                    f'under {type(strategy).__name__} with '
+                    f'{strategy.num_replicas_in_sync} replicas: Keras 3 clips '
+                    'each replica\'s share of the update before summing the '
+                    'replicas, so the applied update would hold clipped '
+                    'noise-free sums of private examples, which the privacy '
+                    'ledger does not account. Remove the optimizer\'s '
+                    'clipping (DP clipping is per example, in the config), '
+                    'or train on one replica.')
+
+
+def check_mechanism_fits_variables(model: Any) -> None:
+    """Refuses a DP model whose config's block dimensions are not its
+    trainable variables' (``PrivateAggregator.check_variables``): an event
+    that claims fewer coordinates than the model has under-reports epsilon.
+    Models not built yet are checked when their first step is traced."""
+    aggregator = getattr(model, 'aggregator', None)
+    if not isinstance(aggregator, aggregator_lib.PrivateAggregator):
+        return
+    if getattr(model, 'built', False):
+        aggregator.check_variables(model.trainable_variables)
+
+
 # --- the optimizer DPModel is compiled with ---------------------------------
 
 
@@ -423,6 +477,7 @@ def check_ledger_event(event: dp_accounting.DpEvent, model: Any) -> None:
     if callable(dp_event) and hasattr(model, 'aggregator'):
         if model.aggregator is None:
             raise ValueError(f'{model.name} {NO_MECHANISM}')
+        check_mechanism_fits_variables(model)
         expected = dp_event()
         if event != expected:
             raise ValueError(

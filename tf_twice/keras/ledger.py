@@ -27,15 +27,26 @@ Guarantees:
   budget) and the file written; at each epoch end and at the end of
   training the exact count is written. A crash over-counts by at most
   `save_every_steps` steps and never under-counts. A ledger whose
-  `state_path` exists always loads it.
+  `state_path` exists always loads it; a file whose segments were cut or
+  edited is refused (`tf_twice.accounting.budget`). Custom loops get the
+  same write-ahead from `reserve_steps` before their steps and
+  `record_steps` after them.
+* **Covers the weights.** Before the first step of every `fit`, a DP model
+  whose optimizer has taken more steps than the ledger charged is refused:
+  its checkpoint holds steps this ledger never saw (a stale or another
+  state file), so the ledger's epsilon would not bound what the weights
+  reveal.
 * **Accounts the mechanism that runs.** `PrivacyLedger.for_model` takes
   the event from the model (`DPModel.dp_event()`, derived from its
   `TwiceSamplingConfig`). At the start of every `fit` the ledger refuses a
   model that mixes examples (BatchNormalization, ...) and, for a DP model,
-  any event other than the model's own (`guards.check_ledger_event`);
-  `DPModel.fit` also checks the input is Poisson-sampled from the config's
-  n at its q1. A plain Keras model's steps are counted as the given event,
-  which the caller vouches for.
+  any event other than the model's own (`guards.check_ledger_event`) or a
+  config whose block dimension is not the model's, and optimizer clipping
+  that would act on one replica's share of the update
+  (`guards.check_update_is_post_processing`); `DPModel.fit` also checks the
+  input is Poisson-sampled from the config's n at its q1. A plain Keras
+  model's steps are counted as the given event, which the caller vouches
+  for.
 * **Stops where the plan ends.** With `max_steps`, no step runs past that
   total (resumed steps included): training ends exactly where the noise
   was calibrated.
@@ -47,7 +58,8 @@ after it). With `log_dir`, the ledger also writes the scalar
 
 Steps are counted, for a tf_twice DP model, by its step keys: one key is
 drawn per logical step and no restore or `fit` call rewinds the count, so
-every step that ran is charged at the ledger's next hook, also a step whose
+every step that ran is charged at the ledger's next hook or reading (its
+`steps`, `epsilon`, `get_state`, `save`...), also a step whose
 `on_train_batch_end` never reached the ledger (an exception in an earlier
 callback) and steps of custom loops over `train_step` between `fit` calls.
 Other models are charged in `on_train_batch_begin`, before their steps run
@@ -67,6 +79,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice import _keras
+from tf_twice import _validate
 from tf_twice.accounting import budget as budget_lib
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting.budget import STATE_FORMAT
@@ -222,6 +235,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._blocked = None
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
+        # Whether this fit checked, before its first step, that the model's
+        # optimizer steps are all charged (`_check_weights_covered`).
+        self._weights_checked = True
 
     # --- the budget -------------------------------------------------------
 
@@ -258,24 +274,29 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
     @property
     def steps(self) -> int:
         """DP steps taken, including those of the runs resumed from."""
+        self._sync()
         return self._budget.steps
 
     @property
     def epsilon(self) -> float:
         """The accountant's epsilon at `delta` for all steps taken."""
+        self._sync()
         return self._budget.epsilon
 
     def get_epsilon_and_optimal_order(self) -> Tuple[float, float]:
+        self._sync()
         return self._budget.get_epsilon_and_optimal_order()
 
     @property
     def accountant(self) -> TwiceSamplingRdpAccountant:
         """A copy of the accountant holding every step taken."""
+        self._sync()
         return self._budget.accountant
 
     @property
     def dp_event(self) -> dp_accounting.DpEvent:
         """The composed `DpEvent` of every step taken."""
+        self._sync()
         return self._budget.dp_event
 
     @property
@@ -290,38 +311,124 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
     def epsilon_after(self, extra_steps: int) -> float:
         """Epsilon if `extra_steps` more steps of `event` were taken."""
+        self._sync()
         return self._budget.epsilon_after(extra_steps)
 
     def can_take(self, extra_steps: int = 1) -> bool:
         """Whether `extra_steps` more steps stay within `max_steps` and keep
         epsilon <= target_epsilon."""
+        self._sync()
         return self._budget.can_take(extra_steps)
 
     def remaining_steps(self, limit: int = 10**9) -> Optional[int]:
         """Most further steps within the target and `max_steps` (capped at
         `limit`); None when there is neither."""
+        self._sync()
         return self._budget.remaining_steps(limit)
+
+    def reserve_steps(self, count: int = 1) -> None:
+        """Write-ahead for custom loops: call BEFORE running `count` steps.
+
+        With `state_path`, the file is written (unless it already covers
+        them) charging the `count` steps, and up to `save_every_steps`
+        ahead, before any of them runs, as `fit` does: a crash between the
+        steps and `record_steps` then over-counts instead of losing them.
+        Call `record_steps(count)` after they ran.
+
+            for batch in batches:
+                ledger.reserve_steps(1)
+                model.train_step(batch)
+                ledger.record_steps(1)
+
+        Raises:
+          ValueError: the steps would exceed `target_epsilon` or
+            `max_steps` (nothing is reserved then).
+        """
+        count = _validate.integer('count', count, 1)
+        self._sync()
+        if not self._budget.can_take(count):
+            raise ValueError(
+                f'{count} more step(s) would exceed the ledger\'s limits '
+                f'(steps {self._budget.steps}, max_steps {self.max_steps}, '
+                f'target_epsilon {self.target_epsilon}): do not run them.')
+        self._budget.reserve_ahead(count)
 
     def record_steps(self, count: int = 1) -> None:
         """Records `count` steps that happened (custom training loops).
 
         Steps are recorded even past the target (they happened); check
-        `can_take` before running them.
+        `can_take` before running them, and call `reserve_steps` before them
+        so that the state file covers them while they run (without it, a
+        crash between a step and this call loses the step from the file).
+        For a tf_twice DP model this ledger has seen (`set_model` or a
+        `fit`), the steps its step keys show are charged and `count` only
+        adds what they do not show, so no step is charged twice.
         """
-        self._budget.charge(count)
+        count = _validate.integer('count', count, 1)
+        before = self._budget.steps
+        self._sync()
+        missing = count - (self._budget.steps - before)
+        if missing > 0:
+            self._budget.charge(missing)
 
     def get_state(self) -> Dict[str, Any]:
         """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`)."""
+        self._sync()
         return self._budget.get_state()
 
     def save(self, path: Optional[str] = None) -> None:
         """Writes the exact state atomically to `path` (or `state_path`)."""
+        self._sync()
         self._budget.save(path)
 
     # --- Keras hooks ------------------------------------------------------
 
     def _steps_per_execution(self) -> int:
         return _keras.steps_per_execution(self.model)
+
+    def _sync(self) -> None:
+        """Charges the steps the model's step keys show it ran since the
+        last charge, so that no reading of the ledger (its steps, epsilon,
+        state or a saved copy) misses a step that ran, e.g. the step whose
+        `on_train_batch_end` an exception in an earlier callback cut off,
+        read before the next `fit`."""
+        if getattr(self, 'model', None) is not None:
+            self._charge_drawn_keys()
+
+    def _check_weights_covered(self) -> None:
+        """Refuses a DP model whose optimizer has taken more steps than the
+        ledger has charged.
+
+        Within a process the step keys show every step; across processes
+        only the state file does, and a checkpoint restores the optimizer's
+        step count with the weights. More optimizer steps than charged
+        steps means the weights hold steps this ledger never charged: a
+        stale copy of the state file, another file, or a checkpoint trained
+        beside another ledger. Its epsilon would not bound what the weights
+        reveal.
+        """
+        model = self.model
+        if not getattr(model, 'key_streams', None):
+            return  # A plain model's steps are the caller's to vouch for.
+        iterations = getattr(getattr(model, 'optimizer', None), 'iterations',
+                             None)
+        if iterations is None:
+            return
+        # .numpy() reads a MirroredVariable too (np.asarray does not).
+        taken = int(np.asarray(iterations.numpy() if hasattr(
+            iterations, 'numpy') else iterations))
+        charged = self._budget.steps
+        if taken > charged:
+            raise ValueError(
+                f'{model.name}\'s optimizer has taken {taken} steps, but this '
+                f'PrivacyLedger has charged only {charged}: the weights hold '
+                f'{taken - charged} step(s) no ledger accounted here (a stale '
+                'or another state file beside a newer checkpoint?). Load the '
+                'state file that was written with these weights; if the '
+                'steps ran under this event and are accounted nowhere, charge '
+                f'them first with ledger.record_steps({taken - charged}); if '
+                'they trained on public data only, compile with a fresh '
+                'optimizer.')
 
     def _charge_drawn_keys(self) -> bool:
         """Charges the steps tf_twice DP models ran since the last charge.
@@ -408,12 +515,17 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         # Refused before any step runs, so nothing is charged for them.
         guards.check_no_example_mixing(self.model)
         guards.check_ledger_event(self.event, self.model)
+        guards.check_update_is_post_processing(self.model)
         self._unblock()
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
         # Steps that ran unseen since the last hook (an interrupted fit, a
         # custom loop) are charged now.
         self._charge_drawn_keys()
+        self._check_weights_covered()
+        # Again before the first step: a callback after this one (e.g.
+        # BackupAndRestore) may restore a checkpoint in its on_train_begin.
+        self._weights_checked = False
         keys = getattr(getattr(self.model, 'aggregator', None), 'keys', None)
         if getattr(keys, 'seeded', False) and self._verbose:
             _LOGGER.warning(
@@ -424,6 +536,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                 'noise-free difference. Leave seed=None for a release.')
 
     def on_train_batch_begin(self, batch, logs=None):
+        if not self._weights_checked:
+            self._check_weights_covered()
+            self._weights_checked = True
         k = self._steps_per_execution()
         if not self.can_take(k):
             self._stop(k)

@@ -43,6 +43,7 @@ post-processing.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Callable, List, Optional, Sequence
 
@@ -383,13 +384,47 @@ class PrivateAggregator(hybrid.BasisHolder):
         hybrid.check_basis_matches_variables(basis, variables)
         return basis, self._basis_variables.variables
 
+    def check_variables(self, variables: Sequence[tf.Variable]) -> None:
+        """Refuses trainable variables that the mechanism's event does not
+        describe.
+
+        With a basis, its variable shapes must be theirs (the event's block
+        dimensions are the basis's). Without, a dimension given in the
+        config's one Block must be their number of coordinates: the
+        accountant trusts it (a block of r <= d0 coordinates has a smaller
+        worst case), so a dimension below the model's would make the
+        reported epsilon too small.
+
+        Raises:
+          ValueError: naming both numbers.
+        """
+        basis = self.basis
+        if basis is not None:
+            hybrid.check_basis_matches_variables(basis, variables)
+            return
+        dimension = self._config.blocks[0].dimension
+        if dimension is None:
+            return
+        coordinates = sum(math.prod(int(s) for s in v.shape)
+                          for v in variables)
+        if dimension != coordinates:
+            raise ValueError(
+                f'the config\'s block has dimension={dimension}, but the '
+                f'trainable variables have {coordinates} coordinates: the '
+                'accountant would assume a per-example contribution spread '
+                'over the wrong number of coordinates. Leave dimension=None '
+                '(the accountant then needs none) or give the model\'s.')
+
     def begin(self, variables: Sequence[tf.Variable],
               step: tf.Tensor) -> tf.Tensor:
         """Starts a logical batch: its key, shared by all replicas.
 
         ``variables`` and ``step`` (the model's trainable variables and
         optimizer step count) position a seeded stream at its first draw.
+        The variables are checked against the mechanism first
+        (``check_variables``, when the step is traced).
         """
+        self.check_variables(variables)
         fingerprint = (state_fingerprint(variables, step)
                        if self._keys.seeded else None)
         return self._keys.next_key(fingerprint)
