@@ -345,13 +345,6 @@ def test_custom_loop_reserves_each_step_in_the_file_before_it_runs(tmp_path):
     assert _steps_on_disk(path) == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason='DPModel.fit checks Poisson input only when a ledger is attached; '
-    'a later ledger charges the earlier steps as Poisson steps. Needs '
-    'DPModel.fit to mark the key stream when its input is not Poisson-'
-    'sampled, and the ledger to refuse those draws '
-    '(tf_twice/keras/dp_model.py).')
 def test_steps_on_shuffled_batches_are_not_vouched_for_by_a_later_ledger():
     dp = _dp_model()
     dp.fit(X, Y, batch_size=16, epochs=1, verbose=0)  # Fixed-size batches.

@@ -3,7 +3,9 @@
 ``DPModel.fit``'s docstring states the contract (Poisson input from the
 config's n at its q1, the ledger's event, no callback acting on a
 ``nonprivate_*`` log). ``check_fit`` runs those refusals and the ones that
-need no ledger: a multi-worker dataset that would sum an example once per
+need no ledger: steps on input not known to be Poisson-sampled, run without
+a ledger, are marked so that no ledger attached later accounts them; a
+multi-worker dataset that would sum an example once per
 worker, weights outside [0, 1], and layers that write statistics of their
 inputs into their state. The checks themselves live in ``guards``,
 ``per_example`` and ``layer_state``; this module is the one place that
@@ -38,13 +40,20 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
       ValueError: see the module docstring.
     """
     guards.check_sharding(model.distribute_strategy, x)
-    for ledger in ledger_lib.ledgers_in(callbacks):
+    ledgers = ledger_lib.ledgers_in(callbacks)
+    for ledger in ledgers:
         guards.check_ledger_event(ledger.event, model)
         guards.check_poisson_input(
             x, example_sampling_rate=model.config.example_sampling_rate,
             num_examples=model.config.num_examples,
             strict=strict)
         guards.check_no_nonprivate_monitor(callbacks, nonprivate_prefix)
+    if not ledgers and not guards.is_poisson_input(
+            x, example_sampling_rate=model.config.example_sampling_rate,
+            num_examples=model.config.num_examples):
+        # Nothing refuses these steps now, but no ledger attached later may
+        # charge them as the config's Poisson steps: the weights keep them.
+        model.aggregator.keys.mark_unverified()
     # Positional: validation_split, validation_data, shuffle,
     # class_weight, sample_weight (the same on Keras 2 and 3).
     per_example.check_weights(

@@ -56,6 +56,7 @@ __all__ = [
     'check_poisson_input',
     'check_sharding',
     'check_update_is_post_processing',
+    'is_poisson_input',
 ]
 
 
@@ -310,6 +311,16 @@ def check_poisson_input(dataset: Any, *,
             f'accountant uses num_examples={num_examples}: the accounted q1 '
             'and n would not be those of the training.')
     return info
+
+
+def is_poisson_input(dataset: Any, *, example_sampling_rate: float,
+                     num_examples: int) -> bool:
+    """Whether ``check_poisson_input`` would accept ``dataset`` for this q1
+    and n (no warning, no error)."""
+    info = sampling.get_poisson_sampling_info(dataset)
+    return info is not None and info.num_examples == num_examples and (
+        math.isclose(info.example_sampling_rate, example_sampling_rate,
+                     rel_tol=1e-9, abs_tol=0.0))
 
 
 def check_mechanism_fits_variables(model: Any) -> None:

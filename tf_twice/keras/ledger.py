@@ -452,6 +452,17 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                 start = (min(keys.draws, getattr(keys, 'accounted_draws', 0))
                          if first_sight else 0)
                 self._charged_draws[id(keys)] = [keys, start]
+        for keys, _ in self._charged_draws.values():
+            marked = getattr(keys, 'unverified_from', None)
+            if marked is not None and keys.draws > marked:
+                raise ValueError(
+                    f'{keys.draws - marked} step(s) of this model ran on input '
+                    'that was not checked to be Poisson-sampled (a fit '
+                    'without a PrivacyLedger on fixed-size or shuffled '
+                    'batches): the accountant\'s epsilon is not a bound for '
+                    'them, and the weights keep them, so this ledger cannot '
+                    'account the model. Train from a fresh model with '
+                    'fit(poisson_batches(...), callbacks=[ledger]).')
         executed = 0
         for entry in self._charged_draws.values():
             draws = entry[0].draws

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -150,6 +150,18 @@ class StepKeys:
         # this stream for the first time charges every draw after it, so
         # steps that ran before any ledger saw the model are not lost.
         self.accounted_draws = 0
+        # The draw count from which on steps ran on input that no check
+        # showed to be Poisson-sampled (``mark_unverified``); None: none.
+        self.unverified_from: Optional[int] = None
+
+    def mark_unverified(self) -> None:
+        """Records that the next steps run on input not known to be
+        Poisson-sampled (e.g. ``fit`` without a ledger on fixed-size
+        batches): no ledger charges them as its event, since the
+        accountant's epsilon is not a bound for them, and the weights keep
+        them."""
+        if self.unverified_from is None:
+            self.unverified_from = self.draws
 
     def __deepcopy__(self, memo):
         # A copy of the state would replay every later key: a copy is a new
