@@ -56,7 +56,8 @@ and every callback listed AFTER the ledger (put `TensorBoard`/`CSVLogger`
 after it). With `log_dir`, the ledger also writes the scalar
 `epoch_epsilon` itself (step = epoch) with `tf.summary`.
 
-Steps are counted, for a tf_twice DP model, by its step keys: one key is
+Steps are counted, for a tf_twice DP model, by its step keys
+(`tf_twice.keras.step_control`): one key is
 drawn per logical step and no restore or `fit` call rewinds the count, so
 every step that ran is charged at the ledger's next hook or reading (its
 `steps`, `epsilon`, `get_state`, `save`...), also a step whose
@@ -85,6 +86,7 @@ from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting.budget import STATE_FORMAT
 from tf_twice.accounting.budget import STATE_VERSION
 from tf_twice.keras import guards
+from tf_twice.keras import step_control
 
 __all__ = ['PrivacyLedger', 'STATE_FORMAT', 'STATE_VERSION']
 
@@ -228,11 +230,8 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._verbose = int(verbose)
         self._log_dir = log_dir
         self._writer = None
-        # Keys drawn and charged, per step-key stream of a tf_twice DP model
-        # (a recompile with another DP optimizer brings another stream).
-        # Held strongly: a replaced stream's uncharged steps must be read.
-        self._charged_draws: Dict[int, List[Any]] = {}
-        self._blocked = None
+        # Steps a tf_twice DP model ran, read from its step keys.
+        self._drawn_steps = step_control.DrawnStepCounter()
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
         # Whether this fit checked, before its first step, that the model's
@@ -396,112 +395,17 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             self._charge_drawn_keys()
 
     def _check_weights_covered(self) -> None:
-        """Refuses a DP model whose optimizer has taken more steps than the
-        ledger has charged.
-
-        Within a process the step keys show every step; across processes
-        only the state file does, and a checkpoint restores the optimizer's
-        step count with the weights. More optimizer steps than charged
-        steps means the weights hold steps this ledger never charged: a
-        stale copy of the state file, another file, or a checkpoint trained
-        beside another ledger. Its epsilon would not bound what the weights
-        reveal.
-        """
-        model = self.model
-        if not getattr(model, 'key_streams', None):
-            return  # A plain model's steps are the caller's to vouch for.
-        iterations = getattr(getattr(model, 'optimizer', None), 'iterations',
-                             None)
-        if iterations is None:
-            return
-        # .numpy() reads a MirroredVariable too (np.asarray does not).
-        taken = int(np.asarray(iterations.numpy() if hasattr(
-            iterations, 'numpy') else iterations))
-        charged = self._budget.steps
-        if taken > charged:
-            raise ValueError(
-                f'{model.name}\'s optimizer has taken {taken} steps, but this '
-                f'PrivacyLedger has charged only {charged}: the weights hold '
-                f'{taken - charged} step(s) no ledger accounted here (a stale '
-                'or another state file beside a newer checkpoint?). Load the '
-                'state file that was written with these weights; if the '
-                'steps ran under this event and are accounted nowhere, charge '
-                f'them first with ledger.record_steps({taken - charged}); if '
-                'they trained on public data only, compile with a fresh '
-                'optimizer.')
+        step_control.check_weights_covered(self.model, self._budget.steps)
 
     def _charge_drawn_keys(self) -> bool:
-        """Charges the steps tf_twice DP models ran since the last charge.
-
-        Every step-key stream of the model (``DPModel.key_streams``: those
-        of DP optimizers replaced by a recompile, then the current one) and
-        every stream seen before is read, so no stream's steps are lost.
-        The streams of the ledger's first sight start where the charges of
-        earlier ledgers end (``StepKeys.accounted_draws``): steps that ran
-        before any ledger saw the model (a ``fit`` without a ledger, a
-        custom loop) are charged, steps another ledger charged are not; a
-        stream seen later starts at 0 (it can only over-charge). Returns
-        False for a model without step keys.
-        """
-        streams = getattr(self.model, 'key_streams', None)
-        if not streams:
+        """Charges the steps a tf_twice DP model ran since the last charge
+        (`step_control.DrawnStepCounter`); False for a model without step
+        keys."""
+        executed = self._drawn_steps.new_steps(self.model)
+        if executed < 0:
             return False
-        first_sight = not self._charged_draws
-        for keys in streams:
-            if id(keys) not in self._charged_draws:
-                start = (min(keys.draws, getattr(keys, 'accounted_draws', 0))
-                         if first_sight else 0)
-                self._charged_draws[id(keys)] = [keys, start]
-        for keys, _ in self._charged_draws.values():
-            marked = getattr(keys, 'unverified_from', None)
-            if marked is not None and keys.draws > marked:
-                raise ValueError(
-                    f'{keys.draws - marked} step(s) of this model ran on input '
-                    'that was not checked to be Poisson-sampled (a fit '
-                    'without a PrivacyLedger on fixed-size or shuffled '
-                    'batches): the accountant\'s epsilon is not a bound for '
-                    'them, and the weights keep them, so this ledger cannot '
-                    'account the model. Train from a fresh model with '
-                    'fit(poisson_batches(...), callbacks=[ledger]).')
-        executed = 0
-        for entry in self._charged_draws.values():
-            draws = entry[0].draws
-            executed += draws - entry[1]
-            entry[1] = draws
-            entry[0].accounted_draws = max(
-                getattr(entry[0], 'accounted_draws', 0), draws)
         self._charge_counted(executed)
         return True
-
-    def _block(self) -> None:
-        """Makes `fit`'s next call of the train function a no-op."""
-        model = self.model
-        if self._blocked is not None:
-            return
-        original = model.train_function
-
-        def blocked_train_function(unused_iterator):
-            # No step, no weight update, nothing read from the data; the
-            # logs keep their keys (metrics as they stand).
-            return _keras.metric_results(model)
-
-        blocked_train_function.original = original
-        self._blocked = blocked_train_function
-        model.train_function = blocked_train_function
-        # Keras reads the metrics again at the epoch's end: those that no
-        # step has built (Keras 3, before the first step) have no result.
-        model.get_metrics_result = lambda: _keras.metric_results(model)
-
-    def _unblock(self) -> None:
-        model = self.model
-        current = getattr(model, 'train_function', None)
-        original = getattr(current, 'original', None)
-        if original is not None and getattr(
-                current, '__name__', '') == 'blocked_train_function':
-            model.train_function = original
-        if 'get_metrics_result' in vars(model):
-            del model.get_metrics_result  # The class's method again.
-        self._blocked = None
 
     def _stop(self, k: int) -> None:
         self.model.stop_training = True
@@ -527,7 +431,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         guards.check_no_example_mixing(self.model)
         guards.check_ledger_event(self.event, self.model)
         guards.check_update_is_post_processing(self.model)
-        self._unblock()
+        step_control.unblock_train_function(self.model)
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
         # Steps that ran unseen since the last hook (an interrupted fit, a
@@ -553,7 +457,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         k = self._steps_per_execution()
         if not self.can_take(k):
             self._stop(k)
-            self._block()
+            step_control.block_train_function(self.model)
             return
         self._budget.reserve_ahead(k)
         if not getattr(self.model, 'key_streams', None):
@@ -587,7 +491,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._charge_drawn_keys()
-        self._unblock()
+        step_control.unblock_train_function(self.model)
         self._budget.write()
         if self._writer is not None:
             self._writer.flush()

@@ -49,6 +49,7 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_twice import _validate
 from tf_twice import _files as files
 from tf_twice import config as config_lib
 from tf_twice.mechanism import basis as basis_lib
@@ -59,7 +60,7 @@ __all__ = ['PrivateAggregator', 'StepKeys', 'RANDOM_STATE_FORMAT',
            'state_fingerprint']
 
 RANDOM_STATE_FORMAT = 'tf_twice.SecretRandomState'
-_MAX_SEED = 2**63
+_MAX_SEED = 2**63  # Seeds are in [0, 2**63), as in tf_twice.sampling.
 # Second word of the SipHash key that positions a seeded stream.
 _STREAM_DOMAIN = 0x54776963654B6579  # 'TwiceKey'
 
@@ -78,16 +79,6 @@ def _entropy_generator() -> tf.random.Generator:
             'secret integer in [0, 2**63) used for one run only (e.g. '
             'secrets.randbits(63)): anyone who learns it can replay the '
             'noise. Or leave op determinism off.') from e
-
-
-def _check_seed(seed) -> Optional[int]:
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int) or not (
-            0 <= seed < _MAX_SEED):
-        raise ValueError(f'seed must be None or an integer in [0, 2**63); '
-                         f'got {seed!r}.')
-    return seed
 
 
 def state_fingerprint(variables: Sequence[tf.Variable],
@@ -131,7 +122,8 @@ class StepKeys:
     """
 
     def __init__(self, seed: Optional[int] = None) -> None:
-        self._seed = _check_seed(seed)
+        self._seed = (None if seed is None else
+                      _validate.integer('seed', seed, 0, _MAX_SEED - 1))
         with tf.init_scope():
             self._generator = (_entropy_generator() if seed is None
                                else tf.random.Generator.from_seed(seed))

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice import _keras  # noqa: F401  pylint: disable=unused-import
-from tf_twice.sampling.schedule import check_int
+from tf_twice import _validate
 from tf_twice.sampling.schedule import resolve_rate
 
 __all__ = ['sample_logical_batch_indices']
@@ -97,10 +97,10 @@ def sample_logical_batch_indices(num_examples: int, *,
     Raises:
       ValueError: for an argument outside its range.
     """
-    n = check_int('num_examples', num_examples, 1)
+    n = _validate.integer('num_examples', num_examples, 1)
     q1 = resolve_rate(n, example_sampling_rate, None)
-    seed = check_int('seed', seed, 0, MAX_SEED)
-    step = check_int('step', step, 0)
+    seed = _validate.integer('seed', seed, 0, MAX_SEED - 1)
+    step = _validate.integer('step', step, 0)
     key = fold_in(base_key(seed), step)
     return sample_indices(n, q1, key).numpy()
 

@@ -17,10 +17,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice import _keras  # noqa: F401  pylint: disable=unused-import
+from tf_twice import _validate
 from tf_twice.sampling import indices as indices_lib
 from tf_twice.sampling.markers import MARKER_ATTR
 from tf_twice.sampling.markers import PoissonSamplingInfo
-from tf_twice.sampling.schedule import check_int
 from tf_twice.sampling.schedule import poisson_schedule
 
 __all__ = [
@@ -145,7 +145,7 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
                                 expected_batch_size=expected_batch_size)
     q1 = schedule.example_sampling_rate
     p = (1 if physical_batch_size is None else
-         check_int('physical_batch_size', physical_batch_size, 1))
+         _validate.integer('physical_batch_size', physical_batch_size, 1))
     if not isinstance(repeat, bool):
         raise ValueError(f'repeat must be True or False; got {repeat!r}.')
     if repeat and steps is not None:
@@ -153,11 +153,11 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
                          'is infinite); got steps={steps!r}.')
     if not repeat:
         steps = (schedule.steps_per_epoch if steps is None
-                 else check_int('steps', steps, 1))
+                 else _validate.integer('steps', steps, 1))
     if seed is None:
         seed = secrets.randbelow(indices_lib.MAX_SEED)
-    seed = check_int('seed', seed, 0, indices_lib.MAX_SEED)
-    start_step = check_int('start_step', start_step, 0)
+    seed = _validate.integer('seed', seed, 0, indices_lib.MAX_SEED - 1)
+    start_step = _validate.integer('start_step', start_step, 0)
     if preprocess_fn is not None and not callable(preprocess_fn):
         raise ValueError('preprocess_fn must be None or a callable '
                          f'(x_batch, y_batch) -> (x_batch, y_batch); got '
@@ -272,7 +272,7 @@ def poisson_batches_from_dataset(
     if not isinstance(source, tf.data.Dataset):
         raise ValueError('source must be a tf.data.Dataset of (x, y) pairs; '
                          f'got {type(source).__name__}.')
-    max_bytes = check_int('max_bytes', max_bytes, 1)
+    max_bytes = _validate.integer('max_bytes', max_bytes, 1)
     spec = source.element_spec
     if not (isinstance(spec, tuple) and len(spec) == 2):
         raise ValueError('source elements must be (x, y) pairs (e.g. tfds '

@@ -2,18 +2,17 @@
 
 ``poisson_schedule`` turns n and one of (q1, expected batch size n * q1) into
 a ``PoissonSchedule``: q1, n * q1 and the steps of one epoch, round(1 / q1).
-``check_int`` and ``resolve_rate`` are the argument checks that the index
-drawing (``indices``) and the tf.data pipelines (``pipelines``) share. No
-TensorFlow here.
+``resolve_rate`` is the argument check of q1 that the index drawing
+(``indices``) and the tf.data pipelines (``pipelines``) share. No TensorFlow
+here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
-import numpy as np
-
+from tf_twice import _validate
 from tf_twice import config as config_lib
 
 __all__ = ['PoissonSchedule', 'poisson_schedule']
@@ -34,18 +33,6 @@ class PoissonSchedule:
     example_sampling_rate: float
     expected_batch_size: float
     steps_per_epoch: int
-
-
-def check_int(name: str, value: Any, low: int,
-              high: Optional[int] = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-            value, (int, np.integer)):
-        raise ValueError(f'{name} must be an integer >= {low}; got {value!r}.')
-    value = int(value)
-    if value < low or (high is not None and value >= high):
-        bound = f'in [{low}, {high})' if high is not None else f'>= {low}'
-        raise ValueError(f'{name} must be an integer {bound}; got {value}.')
-    return value
 
 
 def resolve_rate(num_examples: int, example_sampling_rate: Optional[float],
@@ -85,7 +72,7 @@ def poisson_schedule(num_examples: int, *,
     Raises:
       ValueError: for an argument outside its range.
     """
-    n = check_int('num_examples', num_examples, 1)
+    n = _validate.integer('num_examples', num_examples, 1)
     q1 = resolve_rate(n, example_sampling_rate, expected_batch_size)
     return PoissonSchedule(num_examples=n, example_sampling_rate=q1,
                            expected_batch_size=n * q1,

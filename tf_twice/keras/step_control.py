@@ -1,0 +1,155 @@
+"""Steps seen from outside `fit`: which ran, and keeping the next from running.
+
+`PrivacyLedger` decides *when* steps are charged and stopped; this module
+tells it *how many* ran, whether the weights hold steps it never saw, and
+how to keep a step from running:
+
+* `DrawnStepCounter` reads the model's step-key streams
+  (`tf_twice.mechanism.aggregator.StepKeys`): one key is drawn per logical
+  step and no restore or `fit` call rewinds the count, so the draws since
+  the last reading are exactly the steps that ran, also those of a `fit`
+  cut off by an exception or of a custom loop over `train_step`.
+* `check_weights_covered` compares the optimizer's step count (restored
+  with a checkpoint) with the steps charged: more optimizer steps means the
+  weights hold steps no ledger here accounted.
+* `block_train_function` swaps `model.train_function` for a no-op, because
+  Keras ignores `model.stop_training` set before a step (e.g. a resumed run
+  with no budget left for even one step); `unblock_train_function` restores
+  it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from tf_twice import _keras
+
+__all__ = ['DrawnStepCounter', 'block_train_function',
+           'check_weights_covered', 'unblock_train_function']
+
+_BLOCKED_NAME = 'blocked_train_function'
+
+
+
+class DrawnStepCounter:
+    """Counts the steps a tf_twice DP model drew keys for since last asked.
+
+    Every step-key stream of the model (``DPModel.key_streams``: those of DP
+    optimizers replaced by a recompile, then the current one) and every
+    stream seen before is read, so no stream's steps are lost; streams are
+    held strongly because a replaced stream's uncounted steps must still be
+    read. The streams of the counter's first sight start where the charges
+    of earlier ledgers end (``StepKeys.accounted_draws``): steps that ran
+    before any ledger saw the model (a ``fit`` without a ledger, a custom
+    loop) are counted, steps another ledger charged are not; a stream seen
+    later starts at 0 (it can only over-charge).
+    """
+
+    def __init__(self):
+        # id(stream) -> [stream, draws already counted].
+        self._counted: Dict[int, List[Any]] = {}
+
+    def new_steps(self, model: tf.keras.Model) -> int:
+        """Steps `model` ran since the last call, or -1 without step keys.
+
+        The caller must charge the returned steps: they are marked as
+        accounted on the streams.
+
+        Raises:
+          ValueError: a stream holds steps marked unverified (a `fit`
+            without a ledger on input not known to be Poisson-sampled): the
+            accountant's epsilon does not bound them and the weights keep
+            them.
+        """
+        streams = getattr(model, 'key_streams', None)
+        if not streams:
+            return -1
+        first_sight = not self._counted
+        for keys in streams:
+            if id(keys) not in self._counted:
+                start = (min(keys.draws, getattr(keys, 'accounted_draws', 0))
+                         if first_sight else 0)
+                self._counted[id(keys)] = [keys, start]
+        for keys, _ in self._counted.values():
+            marked = getattr(keys, 'unverified_from', None)
+            if marked is not None and keys.draws > marked:
+                raise ValueError(
+                    f'{keys.draws - marked} step(s) of this model ran on input '
+                    'that was not checked to be Poisson-sampled (a fit '
+                    'without a PrivacyLedger on fixed-size or shuffled '
+                    'batches): the accountant\'s epsilon is not a bound for '
+                    'them, and the weights keep them, so this ledger cannot '
+                    'account the model. Train from a fresh model with '
+                    'fit(poisson_batches(...), callbacks=[ledger]).')
+        executed = 0
+        for entry in self._counted.values():
+            keys, counted = entry
+            executed += keys.draws - counted
+            entry[1] = keys.draws
+            keys.accounted_draws = max(getattr(keys, 'accounted_draws', 0),
+                                       keys.draws)
+        return executed
+
+
+def check_weights_covered(model: tf.keras.Model, charged: int) -> None:
+    """Refuses a DP model whose optimizer took more steps than `charged`.
+
+    Within a process the step keys show every step; across processes only
+    the state file does, and a checkpoint restores the optimizer's step
+    count with the weights. More optimizer steps than charged steps means
+    the weights hold steps the ledger never charged: a stale copy of the
+    state file, another file, or a checkpoint trained beside another ledger.
+    Its epsilon would not bound what the weights reveal. A plain Keras
+    model's steps are the caller's to vouch for.
+    """
+    if not getattr(model, 'key_streams', None):
+        return
+    iterations = getattr(getattr(model, 'optimizer', None), 'iterations',
+                         None)
+    if iterations is None:
+        return
+    # .numpy() reads a MirroredVariable too (np.asarray does not).
+    taken = int(np.asarray(iterations.numpy() if hasattr(
+        iterations, 'numpy') else iterations))
+    if taken > charged:
+        raise ValueError(
+            f'{model.name}\'s optimizer has taken {taken} steps, but this '
+            f'PrivacyLedger has charged only {charged}: the weights hold '
+            f'{taken - charged} step(s) no ledger accounted here (a stale '
+            'or another state file beside a newer checkpoint?). Load the '
+            'state file that was written with these weights; if the steps '
+            'ran under this event and are accounted nowhere, charge them '
+            f'first with ledger.record_steps({taken - charged}); if they '
+            'trained on public data only, compile with a fresh optimizer.')
+
+
+def block_train_function(model: tf.keras.Model) -> None:
+    """Makes `fit`'s next calls of `model.train_function` no-ops."""
+    if getattr(model.train_function, '__name__', '') == _BLOCKED_NAME:
+        return
+    original = model.train_function
+
+    def blocked_train_function(unused_iterator):
+        # No step, no weight update, nothing read from the data; the logs
+        # keep their keys (metrics as they stand).
+        return _keras.metric_results(model)
+
+    blocked_train_function.original = original
+    model.train_function = blocked_train_function
+    # Keras reads the metrics again at the epoch's end: those that no step
+    # has built (Keras 3, before the first step) have no result.
+    model.get_metrics_result = lambda: _keras.metric_results(model)
+
+
+def unblock_train_function(model: tf.keras.Model) -> None:
+    """Undoes `block_train_function` (nothing if it was not blocked)."""
+    current = getattr(model, 'train_function', None)
+    original = getattr(current, 'original', None)
+    if original is not None and getattr(current, '__name__',
+                                        '') == _BLOCKED_NAME:
+        model.train_function = original
+    if 'get_metrics_result' in vars(model):
+        del model.get_metrics_result  # The class's method again.
