@@ -281,7 +281,7 @@ def test_fit_refuses_array_weights_outside_0_1_before_training(
             dp.fit(x, y, 4, 1, 0, None, 0.0, None, False, None, weights)
     assert int(dp.optimizer.iterations) == 0
     _assert_all_close(_weights(dp), before, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r'class_weight must be finite'):
+    with pytest.raises(ValueError, match=r'class_weight\[1\] must be finite'):
         dp.fit(x, y, batch_size=4, verbose=0, class_weight={0: 1.0, 1: 3.0})
 
 

@@ -37,6 +37,7 @@ from tf_twice import _keras
 from tf_twice import _validate
 from tf_twice import config as config_lib
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.keras import class_weights
 from tf_twice.keras import dp_step
 from tf_twice.keras import fit_checks
 from tf_twice.keras import guards
@@ -297,6 +298,11 @@ class DPModel(tf.keras.Model):
           ``EarlyStopping(monitor='nonprivate_loss')``): those are the
           private batch's loss and metrics without noise.
 
+        ``class_weight`` is applied by tf_twice, not Keras
+        (``tf_twice.keras.class_weights``): each example's weight is
+        multiplied by its class's weight in [0, 1], and a label without one
+        gets weight 0 instead of aborting the step that sampled it.
+
         Without a ledger, ``fit`` trains as ``tf.keras.Model.fit`` does and
         NOTHING IS ACCOUNTED: no epsilon holds unless the caller accounts
         the steps (and their sampling) by other means.
@@ -320,6 +326,8 @@ class DPModel(tf.keras.Model):
         fit_checks.check_fit(self, x, callbacks, args, kwargs,
                              strict=not allow_non_poisson_input,
                              nonprivate_prefix=NONPRIVATE_PREFIX)
+        # After the checks, which read the Poisson marker that map drops.
+        x, args, kwargs = class_weights.apply_class_weight(x, y, args, kwargs)
         is_dataset = isinstance(x, tf.data.Dataset)
         if is_dataset and len(args) < 3:
             # Each element is one logical batch: there is nothing to

@@ -31,7 +31,7 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
       model: the DPModel, whose ``config`` is set.
       x, callbacks: ``fit``'s.
       args, kwargs: ``fit``'s other positional and keyword arguments, read
-        for ``class_weight`` and ``sample_weight``.
+        for ``sample_weight``.
       strict: False downgrades the refusal of non-Poisson input to a
         ``NonPoissonInputWarning`` (``guards.check_poisson_input``).
       nonprivate_prefix: the prefix of the logs computed without noise.
@@ -55,13 +55,11 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
         # charge them as the config's Poisson steps: the weights keep them.
         model.aggregator.keys.mark_unverified()
     # Positional: validation_split, validation_data, shuffle,
-    # class_weight, sample_weight (the same on Keras 2 and 3).
+    # class_weight, sample_weight (the same on Keras 2 and 3). class_weight
+    # is checked where DPModel.fit applies it (class_weights).
     per_example.check_weights(
         'sample_weight', args[4] if len(args) > 4 else
         kwargs.get('sample_weight'))
-    per_example.check_weights(
-        'class_weight', args[3] if len(args) > 3 else
-        kwargs.get('class_weight'))
     layer_state.check_no_input_dependent_state(
         model.inner_model, layer_state.input_spec_of(x),
         model.distribute_strategy)
