@@ -1,0 +1,279 @@
+"""PrivacyLedger and tf_twice DP models: for_model, the checks at the start
+of fit, and steps counted from the step keys (tf_twice.keras.step_control)."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import markers
+from tests.keras.ledger_setup import accountant_epsilon as _accountant_epsilon
+from tests.keras.ledger_setup import data as _data
+from tests.keras.ledger_setup import DELTA, EVENT, Q1, X, Y
+from tests.keras.ledger_setup import model as _model
+from tf_twice import optimizers
+from tf_twice import sampling
+from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.keras import DPModel
+from tf_twice.keras.ledger import PrivacyLedger
+
+
+# --- for_model and the checks at the start of fit ---------------------------
+
+# EVENT's step on the 64 examples of X (q1 = 16 / 64).
+CONFIG = TwiceSamplingConfig.single(
+    num_examples=64, expected_batch_size=16, l2_norm_clip=1.0,
+    linf_norm_clip=0.5, noise_multiplier=1.0, coordinate_sampling_rate=0.5)
+
+
+def _config(**changes):
+    fields = dict(num_examples=64, expected_batch_size=16, l2_norm_clip=1.0,
+                  linf_norm_clip=0.5, noise_multiplier=1.0,
+                  coordinate_sampling_rate=0.5)
+    fields.update(changes)
+    return TwiceSamplingConfig.single(**fields)
+
+
+def _dp_optimizer_model(config=CONFIG, **optimizer_kwargs):
+    """The optimizer path: a DPModel without a config, compiled with a
+    tf_twice DP optimizer, which carries the mechanism."""
+    model = DPModel(_model(), physical_batch_size=8)
+    model.compile(
+        optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            config, learning_rate=0.1, seed=0, **optimizer_kwargs),
+        loss=tf.keras.losses.MeanSquaredError())
+    return model
+
+
+def _plain_model_with_dp_optimizer():
+    model = _model()
+    model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        CONFIG, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError(
+            reduction='none'))
+    return model
+
+
+def _dp_model(**changes):
+    dp = DPModel(_model(), _config(**changes), physical_batch_size=8, seed=0)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse')
+    return dp
+
+
+@pytest.mark.parametrize('dp', [False, True])
+def test_exhausted_budget_with_metrics_no_step_has_built(dp):
+    # Keras 3 builds compiled metrics at the first step: a fit that runs
+    # no step must still end cleanly, and the next one train.
+    if dp:
+        model = _dp_model()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse',
+                      metrics=['mae'])
+        ledger = PrivacyLedger.for_model(model, delta=DELTA, max_steps=0)
+    else:
+        model = _model()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse',
+                      metrics=['mae'])
+        ledger = PrivacyLedger(EVENT, DELTA, max_steps=0)
+    model.fit(_data(), epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 0 == int(model.optimizer.iterations)
+    assert 'get_metrics_result' not in vars(model)  # Restored.
+    history = model.fit(_data(steps=2), epochs=1, verbose=0)
+    assert int(model.optimizer.iterations) == 2
+    assert any('mae' in key for key in history.history)
+
+
+def test_for_model_builds_the_models_event(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(
+        dp, delta=DELTA, target_epsilon=50.0, max_steps=9,
+        state_path=path, save_every_steps=3, orders=[2, 4, 8], verbose=0)
+    assert ledger.event == EVENT == dp.dp_event()
+    assert (ledger.delta, ledger.target_epsilon, ledger.max_steps,
+            ledger.state_path) == (DELTA, 50.0, 9, path)
+    np.testing.assert_array_equal(ledger.orders, [2, 4, 8])
+
+
+@markers.needs_tf_privacy_optimizers
+def test_for_model_builds_the_dp_optimizers_event():
+    optimizer_model = _dp_optimizer_model()
+    assert PrivacyLedger.for_model(optimizer_model,
+                                   delta=DELTA).event == EVENT
+
+
+@pytest.mark.parametrize('make, kwargs, match', [
+    (lambda: _model(), {}, 'DPModel'),  # A plain SGD optimizer.
+    pytest.param(lambda: _dp_optimizer_model(num_microbatches=4), {},
+                 'num_microbatches',
+                 marks=markers.needs_tf_privacy_optimizers),
+    pytest.param(_plain_model_with_dp_optimizer, {}, 'DPModel',
+                 marks=markers.needs_tf_privacy_optimizers),
+    (lambda: DPModel(_model()), {}, 'no DP mechanism'),
+    (lambda: _dp_model(noise_multiplier=0.0, non_private=True), {},
+     'non_private'),
+    (lambda: _dp_model(num_examples=15), {}, 'num_examples = 15'),
+    (_dp_model, dict(delta=2.0), 'delta'),
+    (_dp_model, dict(max_steps=-3), 'max_steps'),
+    (_dp_model, dict(state_path='/no/such/dir/ledger.json'), 'state_path'),
+])
+def test_for_model_refusals(make, kwargs, match):
+    args = dict(delta=DELTA)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        PrivacyLedger.for_model(make(), **args)
+
+
+@markers.needs_tf_privacy_optimizers
+def test_optimizer_path_is_accounted_and_checked():
+    model = _dp_optimizer_model()
+    ledger = PrivacyLedger.for_model(model, delta=DELTA)
+    model.fit(_data(steps=2), epochs=1, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 2 == int(model.optimizer.iterations)
+    other = _dp_optimizer_model(_config(noise_multiplier=0.8))
+    with pytest.raises(ValueError, match='noise_multiplier=1.0.*0.8'):
+        other.fit(_data(steps=2), callbacks=[PrivacyLedger(EVENT, DELTA)],
+                  verbose=0)
+    assert int(other.optimizer.iterations) == 0
+    # Shuffled fixed-size batches and a wrong n are refused on this path too.
+    x, y = X, Y
+    with pytest.raises(ValueError, match='not Poisson sampling'):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64)
+                  .batch(8), callbacks=[PrivacyLedger(EVENT, DELTA)],
+                  verbose=0)
+    twice = (np.concatenate([x, x]), np.concatenate([y, y]))
+    other_q1 = sampling.poisson_batches(
+        *twice, physical_batch_size=8, expected_batch_size=16, steps=2)
+    with pytest.raises(ValueError, match='example_sampling_rate 0.125'):
+        model.fit(other_q1, callbacks=[PrivacyLedger(EVENT, DELTA)],
+                  verbose=0)
+    other_n = sampling.poisson_batches(
+        *twice, physical_batch_size=8, example_sampling_rate=Q1, steps=2)
+    with pytest.raises(ValueError, match='num_examples=64'):
+        model.fit(other_n, callbacks=[PrivacyLedger(EVENT, DELTA)],
+                  verbose=0)
+    assert int(model.optimizer.iterations) == 2
+
+
+class _FailingCallback(tf.keras.callbacks.Callback):
+    """Raises in on_train_batch_end of step ``at`` (a full disk, say)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self._at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations) == self._at:
+            raise OSError('disk full')
+
+
+def test_steps_of_an_interrupted_fit_are_charged(tmp_path):
+    # The failing callback runs before the ledger: step 3 ran, but the
+    # ledger's on_train_batch_end never saw it. It is charged at the next
+    # hook, and the state file never holds fewer steps than ran.
+    path = str(tmp_path / 'ledger.json')
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
+                                     state_path=path, save_every_steps=1,
+                                     verbose=0)
+    with pytest.raises(OSError, match='disk full'):
+        dp.fit(_data(steps=5), callbacks=[_FailingCallback(3), ledger],
+               verbose=0)
+    assert int(dp.optimizer.iterations) == 3
+    dp.fit(_data(steps=5, seed=2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == int(dp.optimizer.iterations) == 8
+    assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 8
+
+
+@markers.needs_tf_privacy_optimizers
+def test_steps_of_a_replaced_dp_optimizer_are_charged():
+    # An interrupted fit, then a recompile with another DP optimizer (other
+    # step keys): the step the ledger did not see is still charged.
+    dp = _dp_optimizer_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
+                                     verbose=0)
+    with pytest.raises(OSError, match='disk full'):
+        dp.fit(_data(steps=5), callbacks=[_FailingCallback(3), ledger],
+               verbose=0)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        CONFIG, learning_rate=0.05),
+        loss=tf.keras.losses.MeanSquaredError())
+    dp.fit(_data(steps=2, seed=2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 3 + 2
+    # An optimizer the ledger never saw: compiled, used in a custom loop,
+    # replaced. The model keeps its key stream, so its steps are charged.
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        CONFIG, learning_rate=0.05),
+        loss=tf.keras.losses.MeanSquaredError())
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=3, seed=3):
+        step(batch)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        CONFIG, learning_rate=0.05),
+        loss=tf.keras.losses.MeanSquaredError())
+    dp.fit(_data(steps=2, seed=4), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 3 + 2 + 3 + 2
+
+
+def test_custom_loop_steps_between_fits_are_charged():
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
+                                     verbose=0)
+    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=3, seed=3):
+        step(batch)
+    dp.fit(_data(steps=2, seed=4), callbacks=[ledger], verbose=0)
+    assert ledger.steps == int(dp.optimizer.iterations) == 7
+
+
+def test_ledger_alone_checks_a_dp_model():
+    # Keras's own fit, without DPModel.fit's checks: the ledger still refuses.
+    dp = _dp_model(linf_norm_clip=0.25)
+    ledger = PrivacyLedger(EVENT, DELTA)
+    with pytest.raises(ValueError, match='linf_norm_clip=0.5'):
+        tf.keras.Model.fit(dp, _data(steps=2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 0 and int(dp.optimizer.iterations) == 0
+
+
+def test_batch_norm_model_is_refused_before_any_step(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    model = tf.keras.Sequential([
+        tf.keras.layers.Dense(3, input_shape=(4,)),
+        tf.keras.layers.BatchNormalization(name='bn')])
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse')
+    ledger = PrivacyLedger(EVENT, DELTA, state_path=path)
+    with pytest.raises(ValueError, match='bn.*GroupNormalization'):
+        model.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    assert int(model.optimizer.iterations) == 0 and ledger.steps == 0
+    assert not os.path.exists(path)
+
+
+def test_for_model_with_a_basis_accounts_every_block(tmp_path):
+    from tf_twice.hybrid import learning
+    from tf_twice.keras import basis_refresh
+    grads = basis_refresh.public_per_example_gradients(
+        _model(), tf.keras.losses.MeanSquaredError(), X[:16], Y[:16])
+    basis = learning.learn_basis(grads, [2, 3])
+    config = TwiceSamplingConfig(
+        num_examples=64, expected_batch_size=16.0,
+        coordinate_sampling_rate=0.5,
+        blocks=(Block(l2_norm_clip=0.5, noise_multiplier=1.0),
+                Block(l2_norm_clip=0.5, noise_multiplier=1.0),
+                Block(l2_norm_clip=0.7, noise_multiplier=2.0)))
+    dp = DPModel(_model(), config, physical_batch_size=8, seed=0,
+                 basis=basis)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse')
+    path = str(tmp_path / 'ledger.json')
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
+                                     state_path=path, verbose=0)
+    event = TwiceSampledGaussianDpEvent(
+        example_sampling_rate=Q1, coordinate_sampling_rate=0.5,
+        noise_multiplier=(1.0, 1.0, 2.0), l2_norm_clip=(0.5, 0.5, 0.7),
+        linf_norm_clip=(None, None, None), block_dimensions=(2, 3, 15))
+    assert ledger.event == event
+    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    resumed = PrivacyLedger(event, DELTA, state_path=path, verbose=0)
+    assert resumed.steps == 2
+    assert resumed.epsilon == pytest.approx(_accountant_epsilon((event, 2)),
+                                            rel=1e-12)
