@@ -1,0 +1,336 @@
+"""Hybrid clipping in training: both paths, the basis in fit, the config
+and its event, and the noise it saves at equal epsilon."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import markers
+from tests import tiny_models
+from tests.hybrid_setup import assert_all_close as _assert_all_close
+from tests.hybrid_setup import basis as _basis
+from tests.hybrid_setup import data as _data
+from tests.hybrid_setup import loss as _loss
+from tests.hybrid_setup import mlp as _mlp
+from tests.hybrid_setup import orthonormal_basis as _orthonormal_basis
+from tests.hybrid_setup import params as _params
+from tests.hybrid_setup import weights as _weights
+from tests.hybrid_setup import (DELTA, GROUPS, HYBRID, NUM_EXAMPLES, RANKS,
+                                 SEED, SINGLE)
+from tf_twice import optimizers
+from tf_twice import sampling
+from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.accounting import calibrate_noise_multiplier
+from tf_twice.accounting.statement import hybrid_noise_variance_ratio
+from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.hybrid import budgets
+from tf_twice.hybrid import learning
+from tf_twice.keras import DPModel, PrivacyLedger
+from tf_twice.keras import basis_refresh
+from tf_twice.keras import guards
+from tf_twice.mechanism import aggregation as agg
+from tf_twice.mechanism import hybrid
+
+
+# --- the two training paths -------------------------------------------------
+
+
+def _fast(basis, physical_batch_size=8, model=None):
+    dp = DPModel(model or _mlp(), HYBRID, basis=basis,
+                 physical_batch_size=physical_batch_size, seed=SEED)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
+    return dp
+
+
+@markers.needs_tf_privacy_optimizers
+@pytest.mark.parametrize('physical_batch_size', [8, 3])
+def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
+    basis = _basis()
+    x, y = _data(8, seed=2)
+    reference = DPModel(_mlp(), physical_batch_size=physical_batch_size)
+    reference.compile(
+        optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            HYBRID, learning_rate=0.3, basis=basis, seed=SEED),
+        loss=_loss())
+    tiny_models.one_step(reference, x, y)
+    dp = _fast(basis, physical_batch_size)
+    tiny_models.one_step(dp, x, y)
+    assert not np.allclose(_weights(dp)[0], _weights(_mlp())[0])
+    _assert_all_close(_weights(dp), _weights(reference))
+    # And the basis matters: without it (one block) the step differs.
+    plain = DPModel(_mlp(), SINGLE, physical_batch_size=8, seed=SEED)
+    plain.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
+    tiny_models.one_step(plain, x, y)
+    assert not np.allclose(_weights(plain)[0], _weights(dp)[0])
+
+
+def test_microbatching_does_not_change_the_hybrid_update():
+    basis = _basis()
+    x, y = _data(10, seed=4)
+    results = []
+    for physical in (3, 16):  # 4 chunks (2 rows of padding) vs 1 chunk
+        dp = _fast(basis, physical)
+        tiny_models.one_step(dp, x, y)
+        results.append(_weights(dp))
+    _assert_all_close(results[0], results[1])
+
+
+def test_set_basis_takes_effect_without_retracing():
+    traces = []
+
+    class CountingDPModel(DPModel):
+
+        def train_step(self, data):
+            traces.append(1)  # once per trace, not per step
+            return super().train_step(data)
+
+    first, second = _basis(seed=0), _basis(seed=0, public_seed=9)
+    assert first.structure == second.structure
+    x, y = _data(6, seed=1)
+    dp = CountingDPModel(_mlp(), HYBRID, basis=first, physical_batch_size=4,
+                         seed=SEED)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
+    tiny_models.one_step(dp, x, y)
+    count = len(traces)
+    weights, state = _weights(dp), dp.aggregator.keys.get_state()
+    dp.set_basis(second)
+    assert dp.basis is second
+    tiny_models.one_step(dp, x, y)
+    assert len(traces) == count
+    # The step used the new basis: a model built with it from the same
+    # weights and generator state takes the same step.
+    ref = _fast(second, 4)
+    for v, w in zip(ref.inner_model.trainable_variables, weights):
+        v.assign(w)
+    ref.aggregator.keys.set_state(state)
+    tiny_models.one_step(ref, x, y)
+    _assert_all_close(_weights(dp), _weights(ref))
+    # The basis variables are neither weights nor in checkpoints.
+    assert len(dp.weights) == len(dp.inner_model.weights)
+
+
+def test_basis_refresh_callback_drives_set_basis_in_fit():
+    traces = []
+
+    class CountingDPModel(DPModel):
+
+        def train_step(self, data):
+            traces.append(1)
+            return super().train_step(data)
+
+    public = _data(32, seed=1)
+    inner = _mlp()
+    learn = dict(ranks=RANKS, groups=GROUPS)
+    basis = learning.learn_basis(basis_refresh.public_per_example_gradients(
+        inner, _loss(), *public), **learn)
+    dp = CountingDPModel(inner, HYBRID, basis=basis, physical_batch_size=4,
+                         seed=SEED)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
+    refresh = basis_refresh.BasisRefresh(inner, public, _loss(), every_steps=2,
+                                         on_refresh=dp.set_basis, **learn)
+    dp.fit(_poisson(steps=5), callbacks=[refresh], verbose=0)
+    assert refresh.refresh_count == 3  # before steps 0, 2 and 4
+    assert dp.basis is refresh.basis
+    assert len(traces) <= 2  # the first trace creates the optimizer's vars
+
+
+def test_set_basis_refuses_another_structure_or_no_basis():
+    dp = _fast(_basis())
+    grads = basis_refresh.public_per_example_gradients(_mlp(), _loss(),
+                                                       *_data(32))
+    with pytest.raises(ValueError, match='same structure|structure of'):
+        dp.set_basis(learning.learn_basis(grads, [4, 4], groups=GROUPS))
+    plain = DPModel(_mlp(), SINGLE, physical_batch_size=4)
+    with pytest.raises(ValueError, match='built with basis'):
+        plain.set_basis(_basis())
+
+
+MISFITS = [
+    (SINGLE, 'one Block per block of the basis: 3'),
+    (_params(l2_norm_clip=(0.5, 0.3), noise_multiplier=(1.0, 2.0),
+             linf_norm_clip=None), 'one Block per block of the basis: 3'),
+    # A block whose dimension is not the basis block's.
+    (TwiceSamplingConfig(
+        num_examples=NUM_EXAMPLES, expected_batch_size=6.0,
+        blocks=(Block(l2_norm_clip=0.5, noise_multiplier=1.0, dimension=4),
+                Block(l2_norm_clip=0.3, noise_multiplier=2.0),
+                Block(l2_norm_clip=0.2, noise_multiplier=1.5))),
+     'dimension is 4 but the basis block has 3'),
+]
+
+
+@pytest.mark.parametrize('config, match', MISFITS)
+def test_config_blocks_must_fit_the_basis(config, match):
+    with pytest.raises(ValueError, match=match):
+        DPModel(_mlp(), config, basis=_basis(), physical_batch_size=4)
+
+
+@markers.needs_tf_privacy_optimizers
+@pytest.mark.parametrize('config, match', MISFITS)
+def test_dp_optimizer_config_blocks_must_fit_the_basis(config, match):
+    with pytest.raises(ValueError, match=match):
+        optimizers.TwiceSamplingDPKerasSGDOptimizer(config, basis=_basis())
+
+
+def test_several_blocks_without_a_basis_and_foreign_bases_are_refused():
+    with pytest.raises(ValueError, match='no basis is given'):
+        DPModel(_mlp(), HYBRID, physical_batch_size=4)
+    other = _orthonormal_basis([43], [[2, 3]])  # one variable of 43
+    with pytest.raises(ValueError, match='variable_shapes'):
+        DPModel(_mlp(), HYBRID, basis=other, physical_batch_size=4)
+
+
+@markers.needs_tf_privacy_optimizers
+def test_dp_optimizer_with_several_blocks_needs_a_basis():
+    with pytest.raises(ValueError, match='no basis is given'):
+        optimizers.TwiceSamplingDPKerasSGDOptimizer(HYBRID)
+
+
+def test_config_round_trip_with_a_basis():
+    basis = _basis()
+    dp = _fast(basis)
+    config = dp.get_config()
+    assert [b['l2_norm_clip'] for b in config['config']['blocks']] == [
+        0.5, 0.3, 0.2]
+    json.dumps({k: v for k, v in config.items() if k != 'model'})
+    with pytest.raises(ValueError, match='no basis is given'):
+        DPModel.from_config(config)
+    clone = DPModel.from_config({**config, 'basis': basis})
+    assert clone.config == dp.config and clone.basis is basis
+    assert clone.dp_event() == dp.dp_event()
+
+
+@markers.needs_tf_privacy_optimizers
+def test_dp_optimizer_config_round_trip_with_a_basis():
+    basis = _basis()
+    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(HYBRID, basis=basis)
+    again = type(opt).from_config({**opt.get_config(), 'basis': basis})
+    assert again.config == opt.config and again.basis is basis
+
+
+# --- accounting -------------------------------------------------------------
+
+
+def _poisson(steps=3, seed=1):
+    x, y = _data(NUM_EXAMPLES, seed=7)
+    return sampling.poisson_batches(x, y, physical_batch_size=4,
+                                    example_sampling_rate=0.25, steps=steps,
+                                    seed=seed)
+
+
+def _event(basis, **changes):
+    fields = dict(example_sampling_rate=0.25, coordinate_sampling_rate=0.5,
+                  noise_multiplier=(1.0, 2.0, 1.5),
+                  l2_norm_clip=(0.5, 0.3, 0.2),
+                  linf_norm_clip=(0.2, None, 0.03),
+                  block_dimensions=basis.block_dimensions)
+    fields.update(changes)
+    return TwiceSampledGaussianDpEvent(**fields)
+
+
+def test_event_and_ledger_round_trip_with_a_basis(tmp_path):
+    basis = _basis()
+    assert basis.block_dimensions == (3, 5, 43)
+    dp = _fast(basis, 4)
+    assert dp.dp_event() == _event(basis)
+    path = tmp_path / 'ledger.json'
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
+                                     verbose=0)
+    assert ledger.event == _event(basis)
+    dp.fit(_poisson(), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 3
+    state = json.loads(path.read_text())
+    resumed = PrivacyLedger.from_state(state, verbose=0)
+    assert resumed.event == _event(basis)
+    assert resumed.epsilon == pytest.approx(ledger.epsilon, rel=1e-12)
+
+
+@markers.needs_tf_privacy_optimizers
+def test_optimizer_path_runs_the_same_multi_block_event():
+    basis = _basis()
+    model = DPModel(_mlp(), physical_batch_size=4)
+    model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        HYBRID, basis=basis), loss=_loss())
+    assert model.dp_event() == _event(basis)
+    guards.check_ledger_event(_event(basis), model)
+
+
+@pytest.mark.parametrize('changes', [
+    dict(noise_multiplier=(1.0, 2.5, 1.5)),
+    dict(l2_norm_clip=(0.5, 0.3, 0.25)),
+    dict(linf_norm_clip=(0.1, None, 0.03)),
+    dict(block_dimensions=(3, 5, 40)),
+    dict(block_dimensions=None),  # Looser, but not the model's event.
+    dict(noise_multiplier=1.0, l2_norm_clip=0.6, linf_norm_clip=None,
+         block_dimensions=None),
+])
+def test_mismatched_multi_block_event_is_refused(changes):
+    basis = _basis()
+    dp = _fast(basis, 4)
+    field, value = next(iter(changes.items()))
+    with pytest.raises(ValueError,
+                       match=re.escape(f'{field}={value!r}') + '.*for_model'):
+        dp.fit(_poisson(), callbacks=[PrivacyLedger(_event(basis, **changes),
+                                                    DELTA)], verbose=0)
+    assert int(dp.optimizer.iterations) == 0
+
+
+# --- the point of it: less noise at the same epsilon ------------------------
+
+
+def test_public_basis_needs_less_noise_than_dp_sgd_at_equal_epsilon():
+    # Gradients concentrated near a rank-8 subspace, public and private
+    # drawn from the same distribution: the basis learned from public
+    # gradients predicts the private ones' geometry.
+    d, rank, c = 1000, 8, 1.0
+    rng = np.random.default_rng(0)
+    v = np.linalg.qr(rng.standard_normal((d, rank)))[0]
+    mean = 0.3 * v[:, 0]
+
+    def gradients(n):
+        s = rng.standard_normal((n, rank)) * np.geomspace(1, 0.2, rank)
+        return (mean + s @ v.T + 0.01 * rng.standard_normal((n, d))).astype(
+            np.float32)
+
+    public, private = gradients(200), gradients(500)
+    basis = learning.learn_basis(public, [rank])
+    budget = dict(target_epsilon=2.0, delta=1e-5, steps=1000,
+                  example_sampling_rate=0.01, coordinate_sampling_rate=1.0)
+    planned = budgets.plan_blocks(
+        TwiceSamplingConfig.single(num_examples=10_000,
+                                   expected_batch_size=100.0,
+                                   l2_norm_clip=c),
+        basis, public, target_epsilon=2.0, delta=1e-5, steps=1000)
+    clips, z = planned.l2_norm_clips, planned.noise_multipliers
+    hybrid_var = sum(r * (zj * cj)**2 for r, zj, cj in
+                     zip(basis.block_dimensions, z, clips))
+    z_std = calibrate_noise_multiplier(l2_norm_clip=c, linf_norm_clip=None,
+                                       tolerance=1e-4, **budget)
+    standard_var = d * (z_std * c)**2
+    assert hybrid_var < 0.2 * standard_var
+    ratio = hybrid_noise_variance_ratio(
+        noise_multipliers=z, l2_norm_clips=clips,
+        block_dimensions=basis.block_dimensions, **budget)
+    assert ratio.ratio == pytest.approx(hybrid_var / standard_var, rel=1e-3)
+    # ...without clipping the private signal away: the mean clipped private
+    # gradient is nearly the one of plain clipping to c.
+    silent = tiny_models.dp_config(l2_norm_clip=tuple(clips),
+                                   noise_multiplier=(0.0, 0.0),
+                                   expected_batch_size=500.0,
+                                   num_examples=500)
+    assert silent.non_private
+    mean_hybrid = hybrid.noisy_update(
+        hybrid.block_sums([private], silent, basis=basis), silent,
+        basis=basis)[0].numpy()
+    mean_plain = agg.clipped_masked_sum([private],
+                                        l2_norm_clip=c)[0].numpy() / 500
+    cosine = mean_hybrid @ mean_plain / (np.linalg.norm(mean_hybrid)
+                                         * np.linalg.norm(mean_plain))
+    assert cosine > 0.95
+
+
+if __name__ == '__main__':
+    raise SystemExit(pytest.main([__file__]))
