@@ -28,6 +28,7 @@ from tf_twice.accounting.statement import hybrid_noise_variance_ratio
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.hybrid import budgets
 from tf_twice.hybrid import learning
+import tf_twice.keras as tf_twice_keras
 from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import basis_refresh
 from tf_twice.keras import guards
@@ -334,3 +335,51 @@ def test_public_basis_needs_less_noise_than_dp_sgd_at_equal_epsilon():
 
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))
+
+
+# --- one call: plan_hybrid_clipping -----------------------------------------
+
+_ONE_BLOCK = TwiceSamplingConfig.single(
+    num_examples=NUM_EXAMPLES, expected_batch_size=6.0, l2_norm_clip=0.6,
+    linf_norm_clip=0.1, coordinate_sampling_rate=0.5)
+
+
+def test_plan_hybrid_clipping_is_the_three_calls_it_chains():
+    x, y = _data(32, seed=1)
+    budget = dict(target_epsilon=4.0, delta=DELTA, steps=50)
+    plan = tf_twice_keras.plan_hybrid_clipping(
+        _mlp(), _loss(), x, y, _ONE_BLOCK, ranks=RANKS, groups=GROUPS,
+        seed=3, batch_size=8, budget_split='quantile', **budget)
+    grads = basis_refresh.public_per_example_gradients(
+        _mlp(), _loss(), x, y, batch_size=8)
+    basis = learning.learn_basis(grads, RANKS, groups=GROUPS, seed=3)
+    want = budgets.plan_blocks(_ONE_BLOCK, basis, grads,
+                               budget_split='quantile', **budget)
+    assert plan.config == want and plan.config.num_blocks == len(RANKS) + 1
+    for a, b in zip(plan.basis.group_matrices, basis.group_matrices):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # It trains as DPModel's hybrid config, and the ledger accounts it.
+    dp = DPModel(_mlp(), plan.config, basis=plan.basis, physical_batch_size=8,
+                 seed=SEED)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    data = sampling.poisson_batches(*_data(NUM_EXAMPLES, seed=5),
+                                    physical_batch_size=8,
+                                    expected_batch_size=6.0, steps=2, seed=1)
+    dp.fit(data, callbacks=[ledger], verbose=0)
+    assert ledger.steps == 2 and ledger.epsilon < budget['target_epsilon']
+
+
+@pytest.mark.parametrize('changes, match', [
+    (dict(config=_params()), r'config must have one Block'),
+    (dict(config='c'), r'config must be a tf_twice.TwiceSamplingConfig'),
+    (dict(seed=-1), r'seed must be an integer >= 0'),
+    (dict(target_epsilon=None), r'target_epsilon'),
+])
+def test_plan_hybrid_clipping_refusals(changes, match):
+    x, y = _data(8, seed=1)
+    kwargs = dict(config=_ONE_BLOCK, ranks=RANKS, target_epsilon=4.0,
+                  delta=DELTA, steps=50)
+    kwargs.update(changes)
+    with pytest.raises(ValueError, match=match):
+        tf_twice_keras.plan_hybrid_clipping(_mlp(), _loss(), x, y, **kwargs)

@@ -8,6 +8,8 @@ from tf_twice import _keras  # noqa: F401  pylint: disable=unused-import
 from tf_twice.keras.basis_refresh import BasisRefresh
 from tf_twice.keras.basis_refresh import public_per_example_gradients
 from tf_twice.keras.dp_model import DPModel
+from tf_twice.keras.hybrid_planning import HybridPlan
+from tf_twice.keras.hybrid_planning import plan_hybrid_clipping
 from tf_twice.keras.per_example import default_physical_batch_size
 from tf_twice.keras.guards import NonPoissonInputWarning
 from tf_twice.keras.guards import check_ledger_event
