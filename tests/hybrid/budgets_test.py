@@ -332,3 +332,54 @@ def test_plan_blocks_refuses_bad_budget_splits(basis_and_public):
 
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))
+
+
+def _noise_stds(config):
+    return np.array([b.noise_multiplier * b.l2_norm_clip
+                     for b in config.blocks])
+
+
+def test_public_fisher_objective_weighs_blocks_by_public_energy(
+        basis_and_public):
+    basis, public = basis_and_public
+    config = _one_block(linf_norm_clip=0.05)
+    total = budgets.plan_blocks(config, basis, public, **BUDGET)
+    fisher = budgets.plan_blocks(config, basis, public,
+                                 noise_objective='public_fisher', **BUDGET)
+    assert fisher.l2_norm_clips == total.l2_norm_clips  # Only the noise.
+    eps = fisher.epsilon(BUDGET['steps'], BUDGET['delta'])
+    assert 0.95 * BUDGET['target_epsilon'] <= eps <= BUDGET['target_epsilon']
+    statistics = block_statistics.public_block_statistics(
+        basis, public, clip_norm=1.0)
+    energy = np.mean(statistics.per_example_norms**2, axis=0)
+    dims = np.array(basis.block_dimensions)
+    # Each solution is the better one for its own objective...
+    assert np.sum(energy * _noise_stds(fisher)**2) < np.sum(
+        energy * _noise_stds(total)**2)
+    assert np.sum(dims * _noise_stds(total)**2) < np.sum(
+        dims * _noise_stds(fisher)**2)
+    # ...and the public-energy weights move noise off the first principal
+    # block (most energy per coordinate) onto the residual.
+    assert _noise_stds(fisher)[0] < _noise_stds(total)[0]
+    assert _noise_stds(fisher)[-1] > _noise_stds(total)[-1]
+
+
+def test_noise_objective_refusals(basis_and_public):
+    basis, public = basis_and_public
+    with pytest.raises(ValueError, match='noise_objective must be one of'):
+        budgets.plan_blocks(_one_block(), basis, public,
+                            noise_objective='curvature', **BUDGET)
+    with pytest.raises(ValueError, match='only when the per-block noise is '
+                       'optimised'):
+        budgets.plan_blocks(_one_block(noise_multiplier=1.0), basis, public,
+                            noise_objective='public_fisher')
+    with pytest.raises(ValueError, match=r'variance_weights\[1\] must be'):
+        budgets.hybrid_noise_multipliers(
+            basis, (0.5, 0.3, 0.2), example_sampling_rate=0.05,
+            coordinate_sampling_rate=0.5, variance_weights=(1.0, -1.0, 1.0),
+            **BUDGET)
+    with pytest.raises(ValueError, match='one value per block'):
+        budgets.hybrid_noise_multipliers(
+            basis, (0.5, 0.3, 0.2), example_sampling_rate=0.05,
+            coordinate_sampling_rate=0.5, variance_weights=(1.0, 1.0),
+            **BUDGET)

@@ -63,8 +63,13 @@ def optimize_block_noise(
         ranks: Sequence[int],
         orders: Optional[Sequence[float]] = None,
         conversion: conversion_lib.ConversionLike = 'dp_accounting',
+        variance_weights: Optional[Sequence[float]] = None,
 ) -> Tuple[float, ...]:
-    """Per-block noise multipliers minimising sum_j r_j (z_j c2_j)^2.
+    """Per-block noise multipliers minimising sum_j w_j (z_j c2_j)^2.
+
+    With the default weights w_j = r_j the objective is the total noise
+    variance of the update; other weights trade the blocks' noise
+    differently (e.g. a public estimate of the loss curvature per block).
 
     Solves [NOISE-OPT]: minimise the total noise variance subject to the
     (epsilon, delta) budget after `steps` twice-sampled steps with hybrid
@@ -84,6 +89,9 @@ def optimize_block_noise(
     Args:
       ranks: r_j, the number of coordinates of each block (also used to
         tighten the worst case of blocks with r_j < (c2_j/c_inf_j)^2).
+      variance_weights: None (w_j = r_j) or one finite w_j > 0 per block.
+        Privacy never depends on them: every candidate is checked against
+        the budget.
       Other arguments as in `calibrate_noise_multiplier`, one per block.
 
     Raises:
@@ -102,7 +110,16 @@ def optimize_block_noise(
         raise ValueError('ranks must be given, one positive integer per '
                          'block.')
     c2 = np.array(template.l2_norm_clips)
-    weights = np.array(template.dimensions, dtype=np.float64) * c2 ** 2
+    weighted_by_ranks = variance_weights is None
+    if weighted_by_ranks:
+        variance_weights = template.dimensions
+    elif len(variance_weights) != template.size:
+        raise ValueError(
+            f'variance_weights must have one value per block ({template.size}'
+            f'); got {len(variance_weights)}.')
+    weights = np.array([
+        _validate.positive(f'variance_weights[{j}]', w)
+        for j, w in enumerate(variance_weights)]) * c2 ** 2
 
     def with_noise(z) -> blocks_lib.Blocks:
         return blocks_lib.Blocks(tuple(float(x) for x in z),
@@ -134,9 +151,14 @@ def optimize_block_noise(
         l2_norm_clips=template.l2_norm_clips, ranks=template.dimensions,
         effective_noise_multiplier=1.0))
     lowest = calibration.MIN_NOISE_MULTIPLIER / float(np.max(closed_form))
+    # Starts: one z for all blocks and [HYBRID-OPT]'s shape (optimal for the
+    # total variance in its model); for other weights also one noise std
+    # z_j c2_j for all blocks.
+    shapes = [np.ones(template.size), closed_form]
+    if not weighted_by_ranks:
+        shapes.append(float(np.max(c2)) / c2)
     candidates: List[np.ndarray] = [
-        feasible_scaling(shape, lowest)
-        for shape in (np.ones(template.size), closed_form)]
+        feasible_scaling(shape, lowest) for shape in shapes]
     start = min(candidates, key=total_variance)
     _, start_order = epsilon_function.leading_epsilon_and_optimal_order(
         with_noise(start))

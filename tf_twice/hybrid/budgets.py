@@ -43,10 +43,14 @@ from tf_twice.hybrid import budget_splits
 from tf_twice.mechanism import basis as basis_lib
 
 __all__ = [
+    'NOISE_OBJECTIVES',
     'hybrid_noise_multipliers',
     'linf_clips_from_d0',
     'plan_blocks',
 ]
+
+# What plan_blocks's per-block noise minimises (its docstring).
+NOISE_OBJECTIVES = ('total_variance', 'public_fisher')
 
 
 def linf_clips_from_d0(l2_norm_clips: Sequence[float],
@@ -85,13 +89,15 @@ def hybrid_noise_multipliers(
         coordinate_sampling_rate: float,
         orders: Optional[Sequence[float]] = None,
         conversion: conversion_lib.ConversionLike = 'dp_accounting',
+        variance_weights: Optional[Sequence[float]] = None,
 ) -> Tuple[float, ...]:
     """Per-block noise multipliers z_j for ``basis`` meeting a budget.
 
     ``accounting.optimize_block_noise`` with ``ranks = basis.
     block_dimensions`` (r_1..r_{m-1} principal coefficients, then d residual
     coordinates): the z_j minimise the total noise variance
-    sum_j r_j (z_j c2_j)^2 subject to (target_epsilon, delta) after ``steps``
+    sum_j r_j (z_j c2_j)^2 (with ``variance_weights`` w_j: sum_j w_j
+    (z_j c2_j)^2) subject to (target_epsilon, delta) after ``steps``
     steps of the twice-sampled hybrid mechanism. Guarantee: the result
     always meets the budget (checked by the full accountant); pass it as
     ``noise_multiplier`` to DPModel or an optimizer with the same clips.
@@ -104,7 +110,7 @@ def hybrid_noise_multipliers(
         statistics.
       linf_norm_clips: None or c_inf_j (or None) per block.
       target_epsilon, delta, steps, example_sampling_rate,
-      coordinate_sampling_rate, orders, conversion: as in
+      coordinate_sampling_rate, orders, conversion, variance_weights: as in
         ``optimize_block_noise``.
 
     Raises:
@@ -133,7 +139,8 @@ def hybrid_noise_multipliers(
         example_sampling_rate=example_sampling_rate,
         coordinate_sampling_rate=coordinate_sampling_rate,
         l2_norm_clips=clips, linf_norm_clips=linf, ranks=dims,
-        orders=orders, conversion=conversion)
+        orders=orders, conversion=conversion,
+        variance_weights=variance_weights)
 
 
 def plan_blocks(
@@ -148,6 +155,7 @@ def plan_blocks(
         principal_d0: float = 1.0,
         budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT,
         budget_quantile: Optional[float] = None,
+        noise_objective: str = 'total_variance',
         orders: Optional[Sequence[float]] = None,
         conversion: conversion_lib.ConversionLike = 'dp_accounting',
 ) -> config_lib.TwiceSamplingConfig:
@@ -181,6 +189,13 @@ def plan_blocks(
       budget_quantile: the public norm quantile of budget_split='quantile'
         (default ``budget_splits.DEFAULT_BUDGET_QUANTILE``); only with that
         split.
+      noise_objective: what the per-block noise minimises, when it is
+        optimised (one of ``NOISE_OBJECTIVES``): 'total_variance' (the
+        paper's: sum_j r_j (z_j c2_j)^2) or 'public_fisher' (sum_j e_j
+        (z_j c2_j)^2 with e_j the mean squared public projection norm of
+        block j, after the pre-clip at c: the trace of block j of the public
+        gradients' second moment, an estimate of how much the loss rises
+        per unit of noise variance in that block).
       orders, conversion: of the accountant (``optimize_block_noise``).
 
     Returns:
@@ -219,6 +234,15 @@ def plan_blocks(
         raise ValueError(
             'the config has no noise multiplier: give target_epsilon, delta '
             'and steps so that the per-block noise can be optimised.')
+    if noise_objective not in NOISE_OBJECTIVES:
+        raise ValueError(f'noise_objective must be one of '
+                         f'{", ".join(NOISE_OBJECTIVES)}; got '
+                         f'{noise_objective!r}.')
+    if (template.noise_multiplier is not None
+            and noise_objective != 'total_variance'):
+        raise ValueError('noise_objective applies only when the per-block '
+                         'noise is optimised (a config without a noise '
+                         'multiplier).')
     if template.noise_multiplier is not None and budget != (None,) * 3:
         raise ValueError(
             'the config already has a noise multiplier: give either it or '
@@ -264,7 +288,10 @@ def plan_blocks(
             basis, l2, linf, target_epsilon=target_epsilon, delta=delta,
             steps=steps, example_sampling_rate=config.example_sampling_rate,
             coordinate_sampling_rate=config.coordinate_sampling_rate,
-            orders=orders, conversion=conversion)
+            orders=orders, conversion=conversion,
+            variance_weights=None if noise_objective == 'total_variance'
+            else budget_splits.floored(np.mean(
+                statistics.per_example_norms ** 2, axis=0)))
     return attr.evolve(config, blocks=tuple(
         config_lib.Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
                          noise_multiplier=z, dimension=r)
