@@ -13,10 +13,11 @@ optimiser and global l2 clip, each with its noise calibrated to the same
   sampling (the update is divided by n * q1 * q2 in both);
 * `twice`: (q1, q2)-twice sampling with l-infinity clip c2 / sqrt(d0);
 * `hybrid`: twice sampling plus hybrid clipping with a basis of rank
-  `--ranks` learned from the public split (refreshed every
-  `--basis_refresh_steps` steps) and per-block clips and noise from
-  `tf_twice.hybrid.plan_blocks` (the l2 budget split by `--budget_split`,
-  `--budget_quantile`).
+  `--ranks` learned from the public split (in `--parameter_groups`
+  groups, refreshed every `--basis_refresh_steps` steps) and per-block
+  clips and noise from `tf_twice.hybrid.plan_blocks` (the l2 budget split
+  by `--budget_split`, `--budget_quantile`; principal blocks' l-infinity
+  clip per `--principal_d0`).
 
 Each row runs once per seed and epsilon; the tables give the median test
 accuracy, its range over the seeds, the noise multiplier(s) and the epsilon
@@ -81,18 +82,29 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
                 d0: float, ranks: Sequence[int], basis_refresh_steps: int,
                 rows: Sequence[str] = ROWS,
                 budget_split: str = settings_lib.TrainConfig.budget_split,
-                budget_quantile: Optional[float] = None
+                budget_quantile: Optional[float] = None,
+                principal_d0: float = settings_lib.TrainConfig.principal_d0,
+                parameter_groups: int = (
+                    settings_lib.TrainConfig.parameter_groups)
                 ) -> Dict[str, Dict[str, Any]]:
     """The settings that differ between rows (see the module docstring).
 
-    The hybrid row names `budget_split` and `budget_quantile` only when they
-    are not the defaults, so that a --results_json written before these
-    flags existed still has this study's settings.
+    The hybrid row names `budget_split`, `budget_quantile`, `principal_d0`
+    and `parameter_groups` only when they are not the defaults, so that a
+    --results_json written before these flags existed still has this
+    study's settings.
     """
     q2 = coordinate_sampling_rate
     split = settings_lib.TrainConfig(mode='hybrid', budget_split=budget_split,
                                      budget_quantile=budget_quantile)
     settings_lib.check_budget_split(split)
+    hybrid_extra: Dict[str, Any] = {}
+    if principal_d0 != settings_lib.TrainConfig.principal_d0:
+        hybrid_extra['principal_d0'] = settings_lib.check_at_least_one(
+            'principal_d0', principal_d0)
+    if parameter_groups != settings_lib.TrainConfig.parameter_groups:
+        hybrid_extra['parameter_groups'] = settings_lib.check_integer(
+            'parameter_groups', parameter_groups, 1)
     every = {
         'dpsgd q=q1': dict(mode='dpsgd', batch_size=batch_size),
         'dpsgd q=q1*q2': dict(mode='dpsgd', batch_size=batch_size * q2),
@@ -102,7 +114,8 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
                        coordinate_sampling_rate=q2, d0=d0,
                        ranks=tuple(ranks),
                        basis_refresh_steps=basis_refresh_steps,
-                       **settings_lib.budget_split_settings(split)),
+                       **settings_lib.budget_split_settings(split),
+                       **hybrid_extra),
     }
     unknown = [row for row in rows if row not in every]
     if unknown:
@@ -309,6 +322,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float('budget_quantile', None, 'Hybrid, '
                        '--budget_split=quantile: the public norm quantile '
                        '(examples/train.py --budget_quantile).', **fv)
+    flags.DEFINE_float('principal_d0', settings_lib.TrainConfig.principal_d0,
+                       'Hybrid: l-infinity clip c2_j / sqrt(min('
+                       'principal_d0, r_j)) of the principal blocks '
+                       '(examples/train.py --principal_d0).', **fv)
+    flags.DEFINE_integer('parameter_groups',
+                         settings_lib.TrainConfig.parameter_groups,
+                         'Hybrid: parameter groups of the basis '
+                         '(examples/train.py --parameter_groups).', **fv)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -324,7 +345,9 @@ def main(argv: Sequence[str]) -> None:
             coordinate_sampling_rate=f.coordinate_sampling_rate, d0=f.d0,
             ranks=[int(r) for r in f.ranks],
             basis_refresh_steps=f.basis_refresh_steps, rows=f.rows,
-            budget_split=f.budget_split, budget_quantile=f.budget_quantile)
+            budget_split=f.budget_split, budget_quantile=f.budget_quantile,
+            principal_d0=f.principal_d0,
+            parameter_groups=f.parameter_groups)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     data = data_lib.load_data(f.dataset, data_dir=f.data_dir,

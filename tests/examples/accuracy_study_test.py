@@ -99,3 +99,58 @@ def test_budget_split_flags_reach_only_the_hybrid_row(tmp_path):
                        '--budget_quantile')):
         with pytest.raises(ValueError, match=flag):
             study.row_configs(**bad, **kwargs)
+
+
+def test_principal_d0_and_parameter_groups_reach_only_the_hybrid_row(
+        tmp_path):
+    kwargs = dict(batch_size=128, coordinate_sampling_rate=0.5, d0=100,
+                  ranks=[16], basis_refresh_steps=20)
+    default = study.row_configs(**kwargs)
+    # The defaults, given explicitly, leave every row as it was: a
+    # --results_json written before these flags existed is still reused.
+    explicit = study.row_configs(
+        principal_d0=study.settings_lib.TrainConfig.principal_d0,
+        parameter_groups=study.settings_lib.TrainConfig.parameter_groups,
+        **kwargs)
+    assert explicit == default
+    assert default['hybrid'] == dict(
+        mode='hybrid', batch_size=128, coordinate_sampling_rate=0.5, d0=100,
+        ranks=(16,), basis_refresh_steps=20)
+    path = str(tmp_path / 'runs.json')
+    study.RunStore(path, dict(steps=7, rows=default)).put(
+        'a run', dict(test_accuracy=0.5))
+    assert study.RunStore(path, dict(steps=7, rows=explicit)).get(
+        'a run') == dict(test_accuracy=0.5)
+    changed = study.row_configs(principal_d0=16, parameter_groups=4,
+                                **kwargs)
+    assert changed['hybrid'] == dict(default['hybrid'], principal_d0=16.0,
+                                     parameter_groups=4)
+    assert {row: c for row, c in changed.items() if row != 'hybrid'} == {
+        row: c for row, c in default.items() if row != 'hybrid'}
+    for row, c in changed.items():
+        if row != 'hybrid':
+            assert not {'principal_d0', 'parameter_groups'} & set(c)
+    assert study.row_configs(principal_d0=16, **kwargs)['hybrid'] == dict(
+        default['hybrid'], principal_d0=16.0)
+    assert study.row_configs(parameter_groups=4, **kwargs)['hybrid'] == dict(
+        default['hybrid'], parameter_groups=4)
+    # Other values are another study.
+    with pytest.raises(ValueError, match='--results_json'):
+        study.RunStore(path, dict(steps=7, rows=changed))
+    for bad, flag in ((dict(principal_d0=0.5), '--principal_d0'),
+                      (dict(parameter_groups=0), '--parameter_groups')):
+        with pytest.raises(ValueError, match=flag):
+            study.row_configs(**bad, **kwargs)
+
+
+def test_study_flags_pass_principal_d0_and_parameter_groups():
+    flag_values = study.flags.FlagValues()
+    study.define_flags(flag_values)
+    flag_values(['study'])
+    assert flag_values.principal_d0 == (
+        study.settings_lib.TrainConfig.principal_d0)
+    assert flag_values.parameter_groups == (
+        study.settings_lib.TrainConfig.parameter_groups)
+    flag_values(['study', '--principal_d0=16', '--parameter_groups=3'])
+    assert flag_values.principal_d0 == 16.0
+    assert flag_values.parameter_groups == 3
