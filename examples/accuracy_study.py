@@ -83,21 +83,25 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
                 rows: Sequence[str] = ROWS,
                 budget_split: str = settings_lib.TrainConfig.budget_split,
                 budget_quantile: Optional[float] = None,
+                noise_objective: str = (
+                    settings_lib.TrainConfig.noise_objective),
                 principal_d0: float = settings_lib.TrainConfig.principal_d0,
                 parameter_groups: int = (
                     settings_lib.TrainConfig.parameter_groups)
                 ) -> Dict[str, Dict[str, Any]]:
     """The settings that differ between rows (see the module docstring).
 
-    The hybrid row names `budget_split`, `budget_quantile`, `principal_d0`
-    and `parameter_groups` only when they are not the defaults, so that a
+    The hybrid row names `budget_split`, `budget_quantile`,
+    `noise_objective`, `principal_d0` and `parameter_groups` only when they are not the defaults, so that a
     --results_json written before these flags existed still has this
     study's settings.
     """
     q2 = coordinate_sampling_rate
     split = settings_lib.TrainConfig(mode='hybrid', budget_split=budget_split,
-                                     budget_quantile=budget_quantile)
+                                     budget_quantile=budget_quantile,
+                                     noise_objective=noise_objective)
     settings_lib.check_budget_split(split)
+    settings_lib.check_noise_objective(split)
     hybrid_extra: Dict[str, Any] = {}
     if principal_d0 != settings_lib.TrainConfig.principal_d0:
         hybrid_extra['principal_d0'] = settings_lib.check_at_least_one(
@@ -322,6 +326,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float('budget_quantile', None, 'Hybrid, '
                        '--budget_split=quantile: the public norm quantile '
                        '(examples/train.py --budget_quantile).', **fv)
+    flags.DEFINE_enum('noise_objective',
+                      settings_lib.TrainConfig.noise_objective,
+                      list(settings_lib.NOISE_OBJECTIVES), 'Hybrid: what '
+                      'the per-block noise minimises (examples/train.py '
+                      '--noise_objective).', **fv)
     flags.DEFINE_float('principal_d0', settings_lib.TrainConfig.principal_d0,
                        'Hybrid: l-infinity clip c2_j / sqrt(min('
                        'principal_d0, r_j)) of the principal blocks '
@@ -346,7 +355,7 @@ def main(argv: Sequence[str]) -> None:
             ranks=[int(r) for r in f.ranks],
             basis_refresh_steps=f.basis_refresh_steps, rows=f.rows,
             budget_split=f.budget_split, budget_quantile=f.budget_quantile,
-            principal_d0=f.principal_d0,
+            noise_objective=f.noise_objective, principal_d0=f.principal_d0,
             parameter_groups=f.parameter_groups)
     except ValueError as e:
         raise app.UsageError(str(e)) from e

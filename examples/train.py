@@ -140,6 +140,7 @@ from examples.training.settings import DEFAULT_LR_DECAY_RATE
 from examples.training.settings import DEFAULT_PUBLIC_EXAMPLES
 from examples.training.settings import DEFAULT_RANKS
 from examples.training.settings import DEFAULT_TARGET_EPSILON
+from examples.training.settings import NOISE_OBJECTIVES
 from examples.training.settings import TrainConfig
 from tf_twice import datasets
 from tf_twice import models
@@ -194,6 +195,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        '--budget_split=quantile: the public norm quantile '
                        f'(default {DEFAULT_BUDGET_QUANTILE:g}).',
                        **fv)
+    flags.DEFINE_enum('noise_objective', defaults.noise_objective,
+                      list(NOISE_OBJECTIVES),
+                      'Hybrid, noise optimised per block: what it minimises '
+                      '(tf_twice.hybrid.plan_blocks).', **fv)
     flags.DEFINE_float('epochs', None, 'Epochs (1/q1 steps each; default '
                        f'{DEFAULT_EPOCHS}).', **fv)
     flags.DEFINE_integer('steps', None, 'Steps (instead of --epochs).', **fv)

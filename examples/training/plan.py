@@ -249,7 +249,8 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
             one_block, basis, grads, residual_d0=plan.d0,
             principal_d0=float(config.principal_d0),
             budget_split=config.budget_split,
-            budget_quantile=config.budget_quantile, **budget)
+            budget_quantile=config.budget_quantile,
+            noise_objective=config.noise_objective, **budget)
     except ValueError as e:
         if not budget:
             raise

@@ -14,6 +14,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 from tf_twice import _validate
 from tf_twice import models
 from tf_twice.hybrid import budget_splits
+from tf_twice.hybrid import budgets as hybrid_budgets
 
 MODES = ('nonprivate', 'dpsgd', 'twice', 'hybrid')
 PRIVATE_MODES = ('dpsgd', 'twice', 'hybrid')
@@ -34,6 +35,7 @@ DEFAULT_PUBLIC_EXAMPLES = 200
 DEFAULT_RANKS = (16,)
 BUDGET_SPLITS = budget_splits.BUDGET_SPLITS
 DEFAULT_BUDGET_QUANTILE = budget_splits.DEFAULT_BUDGET_QUANTILE
+NOISE_OBJECTIVES = hybrid_budgets.NOISE_OBJECTIVES
 
 
 @dataclasses.dataclass
@@ -60,6 +62,7 @@ class TrainConfig:
     principal_d0: float = 1.0
     budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT
     budget_quantile: Optional[float] = None
+    noise_objective: str = hybrid_budgets.NOISE_OBJECTIVES[0]
     epochs: Optional[float] = None
     steps: Optional[int] = None
     physical_batch_size: int = 64
@@ -217,6 +220,7 @@ def check_config(config: Any) -> TrainConfig:
         check_at_least_one('d0', config.d0)
     check_at_least_one('principal_d0', config.principal_d0)
     check_budget_split(config)
+    check_noise_objective(config)
     if config.epochs is not None and config.steps is not None:
         raise ValueError('give at most one of --epochs and --steps; got '
                          'both.')
@@ -268,8 +272,21 @@ def check_budget_split(config: TrainConfig) -> None:
     _validate.rate('--budget_quantile', config.budget_quantile)
 
 
+def check_noise_objective(config: TrainConfig) -> None:
+    """--noise_objective: hybrid only, with the per-block noise optimised."""
+    check_choice('noise_objective', config.noise_objective, NOISE_OBJECTIVES)
+    if config.noise_objective == NOISE_OBJECTIVES[0]:
+        return
+    if config.mode != 'hybrid' or config.noise_multiplier is not None:
+        raise flag_error('noise_objective',
+                         f'{NOISE_OBJECTIVES[0]} (or unset) unless '
+                         '--mode=hybrid optimises the per-block noise (no '
+                         '--noise_multiplier)', config.noise_objective)
+
+
 def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
-    """--budget_split and --budget_quantile, only when not the defaults:
+    """--budget_split, --budget_quantile and --noise_objective (how the
+    blocks' clips and noise are planned), only when not the defaults:
     records written before these flags existed stay equal to the default
     run's (resumes and stored results stay valid)."""
     settings: Dict[str, Any] = {}
@@ -277,6 +294,8 @@ def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
         settings['budget_split'] = config.budget_split
     if config.budget_quantile is not None:
         settings['budget_quantile'] = float(config.budget_quantile)
+    if config.noise_objective != NOISE_OBJECTIVES[0]:
+        settings['noise_objective'] = config.noise_objective
     return settings
 
 

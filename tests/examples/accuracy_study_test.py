@@ -77,7 +77,8 @@ def test_budget_split_flags_reach_only_the_hybrid_row(tmp_path):
     default = study.row_configs(**kwargs)
     # Defaults add nothing: a --results_json written before these flags
     # existed keeps this study's settings.
-    assert not {'budget_split', 'budget_quantile'} & set(default['hybrid'])
+    assert not {'budget_split', 'budget_quantile', 'noise_objective'} & set(
+        default['hybrid'])
     path = str(tmp_path / 'runs.json')
     earlier = dict(steps=7, rows=default)
     study.RunStore(path, earlier).put('a run', dict(test_accuracy=0.5))
@@ -93,7 +94,13 @@ def test_budget_split_flags_reach_only_the_hybrid_row(tmp_path):
     # Another split is another study.
     with pytest.raises(ValueError, match='--results_json'):
         study.RunStore(path, dict(steps=7, rows=quantile))
+    fisher = study.row_configs(noise_objective='public_fisher', **kwargs)
+    assert fisher['hybrid'] == dict(default['hybrid'],
+                                    noise_objective='public_fisher')
+    assert fisher['twice'] == default['twice']
     for bad, flag in ((dict(budget_split='norms'), '--budget_split'),
+                      (dict(noise_objective='curvature'),
+                       '--noise_objective'),
                       (dict(budget_quantile=0.5), '--budget_quantile'),
                       (dict(budget_split='quantile', budget_quantile=0.0),
                        '--budget_quantile')):

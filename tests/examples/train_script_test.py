@@ -114,6 +114,10 @@ def test_nonprivate_mode_makes_no_claim(digits):
      '--budget_quantile'),
     (dict(mode='hybrid', budget_split='quantile', budget_quantile='half'),
      '--budget_quantile'),
+    (dict(mode='hybrid', noise_objective='curvature'), '--noise_objective'),
+    (dict(mode='twice', noise_objective='public_fisher'), '--noise_objective'),
+    (dict(mode='hybrid', noise_multiplier=1.0, target_epsilon=None,
+          noise_objective='public_fisher'), '--noise_objective'),
 ])
 def test_bad_flags_are_refused_by_name(overrides, flag):
     with pytest.raises(ValueError, match=flag):
