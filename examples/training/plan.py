@@ -20,7 +20,7 @@ import tensorflow as tf
 import tf_twice
 from tf_twice import accounting
 from tf_twice import hybrid
-from tf_twice.hybrid import budgets as hybrid_budgets
+import tf_twice.keras as private_keras
 from tf_twice.keras import basis_refresh
 from tf_twice.mechanism import basis as basis_lib
 
@@ -211,24 +211,23 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
     """Learns the basis from the PUBLIC split; plans per-block clips/noise.
 
     Returns the plan whose mechanism has one Block per basis block, and the
-    basis. The blocks are `tf_twice.hybrid.plan_blocks` of the plan's
-    one-block mechanism: l2 budgets split by `--budget_split` (and
-    `--budget_quantile`) from public statistics;
-    the residual's l-infinity clip is `--linf_norm_clip` (capped at its c2)
-    or c2 / sqrt(`--d0`), principal block j's is c2_j / sqrt(min(
-    `--principal_d0`, r_j)); the noise is `--noise_multiplier` on every
-    block or optimised per block for the target epsilon after the planned
-    steps. All of it comes from public data and the flags, never from the
-    private set. A resumed run with the same settings reuses the recorded
-    clips and noise.
+    basis: `tf_twice.keras.plan_hybrid_clipping` of the plan's one-block
+    mechanism (l2 budgets split by `--budget_split` and `--budget_quantile`
+    from public statistics; the residual's l-infinity clip is
+    `--linf_norm_clip` (capped at its c2) or c2 / sqrt(`--d0`), principal
+    block j's is c2_j / sqrt(min(`--principal_d0`, r_j)); the noise is
+    `--noise_multiplier` on every block or optimised per block
+    (`--noise_objective`) for the target epsilon after the planned steps).
+    All of it comes from public data and the flags, never from the private
+    set. A resumed run with the same settings reuses the recorded clips and
+    noise with a basis learned at the restored weights.
     """
     seed = 0 if config.seed is None else config.seed
-    basis, grads = learn_public_basis(config, plan, data, inner, seed)
-    plan = dataclasses.replace(plan, ranks=tuple(basis.ranks))
     one_block = plan.mechanism
     record = hybrid_record(config, plan)
     if recorded is not None and recorded.get('settings') == json.loads(
             json.dumps(record)):
+        basis, _ = learn_public_basis(config, plan, data, inner, seed)
         blocks = tuple(
             tf_twice.Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
                            noise_multiplier=z)
@@ -240,23 +239,28 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
             expected_batch_size=one_block.expected_batch_size,
             coordinate_sampling_rate=one_block.coordinate_sampling_rate,
             blocks=blocks).with_dimensions(basis.block_dimensions)
-        return dataclasses.replace(plan, mechanism=mechanism), basis
+        return dataclasses.replace(plan, mechanism=mechanism,
+                                   ranks=tuple(basis.ranks)), basis
     budget = {} if one_block.is_calibrated else dict(
         target_epsilon=plan.target_epsilon, delta=plan.delta,
         steps=plan.planned_steps)
     try:
-        mechanism = hybrid_budgets.plan_blocks(
-            one_block, basis, grads, residual_d0=plan.d0,
-            principal_d0=float(config.principal_d0),
+        mechanism, basis = private_keras.plan_hybrid_clipping(
+            inner, modeling.per_example_loss(),
+            data_lib.to_unit_float(data.x_public), data.y_public, one_block,
+            seed=seed, batch_size=config.physical_batch_size,
+            residual_d0=plan.d0, principal_d0=float(config.principal_d0),
             budget_split=config.budget_split,
             budget_quantile=config.budget_quantile,
-            noise_objective=config.noise_objective, **budget)
+            noise_objective=config.noise_objective,
+            **basis_kwargs(config, plan), **budget)
     except ValueError as e:
         if not budget:
             raise
         raise ValueError(f'--target_epsilon={plan.target_epsilon:g} '
                          f'cannot be met: {e}') from e
-    return dataclasses.replace(plan, mechanism=mechanism), basis
+    return dataclasses.replace(plan, mechanism=mechanism,
+                               ranks=tuple(basis.ranks)), basis
 
 
 def privacy_statement(plan: Plan, steps: int) -> Tuple[str, float]:
