@@ -251,7 +251,7 @@ def plot_accuracy(results: Results, path: str, *,
     from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
     epsilons = sorted(results)
     rows = [row for row in ROWS if any(results[e].get(row) for e in epsilons)]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = plt.subplots(figsize=(9.0, 4.4))
     for row in rows:
         points = [(e, *_median_and_range(results[e][row]))
                   for e in epsilons if results[e].get(row)]
@@ -274,7 +274,8 @@ def plot_accuracy(results: Results, path: str, *,
     if title:
         ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # Outside the axes: inside, it hides points or the published marks.
+    ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
