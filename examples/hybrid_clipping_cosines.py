@@ -69,7 +69,7 @@ def clipping_cosines(gradients: np.ndarray, basis: basis_lib.HybridBasis,
         basis=basis)[0].numpy()
     global_clip = aggregation.clipped_masked_sum(
         [gradients], l2_norm_clip=l2_norm_clip,
-        linf_norm_clip=float(l2_norm_clip / np.sqrt(d0)))[0].numpy() / n
+        linf_norm_clip=l2_norm_clip / np.sqrt(d0))[0].numpy() / n
     raw = gradients.mean(axis=0)
     return dict(
         cos_global_raw=_cosine(global_clip, raw),

@@ -100,6 +100,15 @@ def test_linf_clip_applies_after_l2_clip():
         sums[1].numpy(), [0, 0, 0.15, min(0.5 * scaled, 0.15), 0], rtol=1e-6)
 
 
+def test_numpy_float64_clips_are_python_floats():
+    grads = _grads(4, scale=4.0)
+    want = agg.clipped_masked_sum(grads, l2_norm_clip=1.0, linf_norm_clip=0.2)
+    got = agg.clipped_masked_sum(grads, l2_norm_clip=np.float64(1.0),
+                                 linf_norm_clip=np.float64(1.0) / np.sqrt(25))
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 def test_padding_contributes_nothing():
     grads = _grads(5, scale=4.0)
     real = agg.clipped_masked_sum([g[:3] for g in grads], l2_norm_clip=1.0,

@@ -10,6 +10,7 @@ names the block and the argument.
 
 from typing import List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_twice import _validate
@@ -73,6 +74,9 @@ def per_block(name: str, values, num_blocks: int) -> list:
             f'{name} must be a sequence with one entry per block '
             f'({num_blocks}), got {values!r}.')
     values = list(values.tolist() if hasattr(values, 'tolist') else values)
+    # numpy scalars as Python numbers: the kernels trace them as constants
+    # of the gradients' dtype (a float64 tensor would not cast).
+    values = [v.item() if isinstance(v, np.generic) else v for v in values]
     if len(values) != num_blocks:
         raise ValueError(
             f'{name} must have one entry per block ({num_blocks}), got '
