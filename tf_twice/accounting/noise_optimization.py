@@ -126,7 +126,7 @@ def optimize_block_noise(
                                  template.l2_norm_clips,
                                  template.linf_norm_clips, template.dimensions)
 
-    def total_variance(z) -> float:
+    def objective(z) -> float:  # sum_j w_j (z_j c2_j)^2
         return float(np.sum(weights * np.asarray(z) ** 2))
 
     def feasible_scaling(shape: np.ndarray, lower: float,
@@ -159,7 +159,7 @@ def optimize_block_noise(
         shapes.append(float(np.max(c2)) / c2)
     candidates: List[np.ndarray] = [
         feasible_scaling(shape, lowest) for shape in shapes]
-    start = min(candidates, key=total_variance)
+    start = min(candidates, key=objective)
     _, start_order = epsilon_function.leading_epsilon_and_optimal_order(
         with_noise(start))
 
@@ -176,7 +176,7 @@ def optimize_block_noise(
             solution = feasible_scaling(solution, 1.0)
         candidates.append(solution)
 
-    best = min(candidates, key=total_variance)
+    best = min(candidates, key=objective)
     # Every candidate meets the budget; all orders may allow a little less
     # noise than the leading ones, so the winner is made tight against them.
     best = feasible_scaling(

@@ -21,6 +21,8 @@ from typing import Any, Dict, Mapping, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_twice.keras import per_example
+
 __all__ = ['apply_class_weight', 'class_weight_table']
 
 # fit(x, y, batch_size, epochs, verbose, callbacks, *args): the positions of
@@ -48,10 +50,8 @@ def class_weight_table(class_weight: Mapping[Any, Any]) -> np.ndarray:
     for key, weight in class_weight.items():
         weight = float(weight)
         if not 0.0 <= weight <= 1.0:  # Also rejects NaN.
-            raise ValueError(
-                f'class_weight[{key}] must be finite and in [0, 1] (a weight '
-                'above 1 would scale an example\'s clipped gradient past the '
-                f'bound the accountant assumes); got {weight}.')
+            raise ValueError(f'class_weight[{key}] {per_example.WEIGHT_RANGE}; '
+                             f'got {weight}.')
         table[int(key)] = weight
     return table
 

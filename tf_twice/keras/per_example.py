@@ -34,7 +34,7 @@ LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
 # Weights scale an example's clipped contribution: above 1 it would exceed
 # the clip bound the accountant assumes.
-_WEIGHT_RANGE = ('must be finite and in [0, 1] (1: a real example, 0: '
+WEIGHT_RANGE = ('must be finite and in [0, 1] (1: a real example, 0: '
                  'padding); a weight above 1 would scale an example\'s '
                  'clipped gradient past the bound the accountant assumes')
 
@@ -167,7 +167,7 @@ def check_weights(name: str, values: Any) -> None:
     if bad.any():
         first = int(np.argmax(bad))
         raise ValueError(
-            f'{name} {_WEIGHT_RANGE}; got {int(bad.sum())} of {values.size} '
+            f'{name} {WEIGHT_RANGE}; got {int(bad.sum())} of {values.size} '
             f'outside, e.g. {values[first]} at index {first}.')
 
 
@@ -193,7 +193,7 @@ def example_weights(sample_weight: Any, size: tf.Tensor, *,
         return weights
     check = tf.debugging.Assert(
         tf.reduce_all(tf.logical_and(weights >= 0, weights <= 1)),
-        [f'sample_weight {_WEIGHT_RANGE}. Got min/max:',
+        [f'sample_weight {WEIGHT_RANGE}. Got min/max:',
          tf.reduce_min(weights), tf.reduce_max(weights)])
     with tf.control_dependencies([check]):
         return tf.identity(weights)
