@@ -75,6 +75,29 @@ def test_input_without_reachable_labels_is_refused():
             iter([]), None, (), {'class_weight': CLASS_WEIGHT})
 
 
+@pytest.mark.parametrize('labels', [
+    {'a': np.array([0, 1]), 'b': np.array([1, 0])},
+    (np.array([0, 1]), np.array([1, 0])),
+])
+def test_labels_of_several_outputs_are_refused_by_name(labels):
+    # Dataset and arrays alike: a ValueError naming class_weight, not a
+    # TypeError from inside TensorFlow (dict) or a silent argmax over the
+    # outputs (tuple of equal-length label arrays).
+    data = tf.data.Dataset.from_tensors((tf.zeros([2, 2]), labels))
+    for x, y in ((data, None), (np.zeros([2, 2], np.float32), labels)):
+        with pytest.raises(ValueError, match=r'class_weight applies to a '
+                           r'model with one output'):
+            class_weights.apply_class_weight(
+                x, y, (), {'class_weight': CLASS_WEIGHT})
+
+
+def test_labels_as_a_python_list_are_one_output():
+    _, _, kwargs = class_weights.apply_class_weight(
+        np.zeros([3, 2], np.float32), [0, 1, 2], (),
+        {'class_weight': CLASS_WEIGHT})
+    np.testing.assert_array_equal(kwargs['sample_weight'], [1.0, 0.0, 0.25])
+
+
 def test_no_class_weight_leaves_fit_arguments_alone():
     data = tf.data.Dataset.from_tensors((tf.zeros([1, 2]), [0]))
     x, args, kwargs = class_weights.apply_class_weight(

@@ -56,8 +56,17 @@ def class_weight_table(class_weight: Mapping[Any, Any]) -> np.ndarray:
     return table
 
 
-def _classes(y: tf.Tensor) -> tf.Tensor:
+_MULTI_OUTPUT = ('class_weight applies to a model with one output; got labels '
+                 'of type {kind} (several outputs). Put the class weights '
+                 'into the per-example weights (in [0, 1]) yourself.')
+
+
+def _classes(y: Any) -> tf.Tensor:
     """Class indices [B] of labels y (indices [B] / [B, 1] or one-hot)."""
+    if isinstance(y, Mapping) or (
+            isinstance(y, (list, tuple)) and any(np.ndim(part) for part in y)):
+        # Keras 2 refuses class_weight for several outputs; so does this.
+        raise ValueError(_MULTI_OUTPUT.format(kind=type(y).__name__))
     y = tf.convert_to_tensor(y)
     if y.shape.rank == 2 and y.shape[-1] is not None and y.shape[-1] > 1:
         return tf.argmax(y, axis=-1)
