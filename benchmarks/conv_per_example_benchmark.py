@@ -1,0 +1,119 @@
+"""Per-example conv kernel gradients: three constructions against the batch's.
+
+A DP step needs each example's kernel gradient of every conv layer; a
+non-private step needs only their sum (one ``Conv2DBackpropFilter``). On
+ResNet22 this is where the DP step loses most of its time. This benchmark
+times, on ResNet22's conv shapes, the summed gradient (the non-private
+floor) and three ways to get the per-example gradients:
+
+  * ``vectorized_map``: what ``tf_twice.keras.per_example.gradients`` runs;
+    TensorFlow vectorizes ``Conv2DBackpropFilter`` with a ``while_loop``
+    over the examples (the "uses a while_loop" warning);
+  * ``depthwise``: each example's gradient as one depthwise convolution of
+    the input (channels and batch swapped) with the output gradient;
+  * ``patches``: ``extract_patches`` then one ``einsum`` per batch.
+
+Each construction is checked against ``vectorized_map`` first. Timings are
+paired: every round times every construction once (rotated order), and a
+ratio is the median over rounds of the ratio within a round. Usage:
+
+  python benchmarks/conv_per_example_benchmark.py [--batch-size 32]
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+# ResNet22's 3x3 convs (tf_twice.models.resnet22): input side, channels in,
+# channels out; stride 1 (the stride-2 convs are one per stage).
+SHAPES = ((32, 3, 16), (32, 16, 16), (16, 32, 32), (8, 64, 64))
+KERNEL = 3
+
+
+def constructions(x: tf.Tensor, dy: tf.Tensor):
+    """The summed gradient and the three per-example constructions."""
+    batch, _, _, channels = x.shape
+    filters = dy.shape[-1]
+    sizes = [KERNEL, KERNEL, channels, filters]
+
+    def summed():
+        return tf.raw_ops.Conv2DBackpropFilter(
+            input=x, filter_sizes=sizes, out_backprop=dy,
+            strides=[1, 1, 1, 1], padding='SAME')
+
+    def vectorized_map():
+        def one(pair):
+            xi, dyi = pair
+            return tf.raw_ops.Conv2DBackpropFilter(
+                input=xi[None], filter_sizes=sizes, out_backprop=dyi[None],
+                strides=[1, 1, 1, 1], padding='SAME')
+        return tf.vectorized_map(one, (x, dy))
+
+    def depthwise():
+        pad = KERNEL // 2
+        padded = tf.pad(x, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+        # Channels as the batch, examples as the depthwise channels: output
+        # [channels, k, k, batch * filters], one depthwise filter per example.
+        out = tf.nn.depthwise_conv2d(
+            tf.transpose(padded, [3, 1, 2, 0]), tf.transpose(dy, [1, 2, 0, 3]),
+            [1, 1, 1, 1], 'VALID')
+        out = tf.reshape(out, [channels, KERNEL, KERNEL, batch, filters])
+        return tf.transpose(out, [3, 1, 2, 0, 4])
+
+    def patches():
+        p = tf.image.extract_patches(x, [1, KERNEL, KERNEL, 1], [1, 1, 1, 1],
+                                     [1, 1, 1, 1], 'SAME')
+        return tf.reshape(tf.einsum('bhwp,bhwk->bpk', p, dy),
+                          [batch] + sizes)
+
+    return {name: tf.function(fn) for name, fn in (
+        ('summed', summed), ('vectorized_map', vectorized_map),
+        ('depthwise', depthwise), ('patches', patches))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--batch-size', type=int, default=32)
+    parser.add_argument('--rounds', type=int, default=5)
+    parser.add_argument('--calls', type=int, default=10)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f'batch {args.batch_size}; seconds per call relative to the summed '
+          'gradient (paired, median of rounds)')
+    print('| input | summed ms | vectorized_map | depthwise | patches |')
+    print('|---|---:|---:|---:|---:|')
+    for side, channels, filters in SHAPES:
+        x = tf.constant(rng.normal(size=(args.batch_size, side, side,
+                                         channels)), tf.float32)
+        dy = tf.constant(rng.normal(size=(args.batch_size, side, side,
+                                          filters)), tf.float32)
+        fns = constructions(x, dy)
+        reference = fns['vectorized_map']().numpy()
+        np.testing.assert_allclose(reference.sum(0), fns['summed']().numpy(),
+                                   rtol=1e-3, atol=1e-2)
+        for name in ('depthwise', 'patches'):
+            np.testing.assert_allclose(fns[name]().numpy(), reference,
+                                       rtol=1e-3, atol=1e-2, err_msg=name)
+        names = list(fns)
+        seconds = {name: [] for name in names}
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    fns[name]()
+                seconds[name].append((time.perf_counter() - start)
+                                     / args.calls)
+        ratio = {name: statistics.median(
+            s / b for s, b in zip(seconds[name], seconds['summed']))
+                 for name in names}
+        print(f'| {side}x{side}x{channels} -> {filters} | '
+              f'{statistics.median(seconds["summed"]) * 1e3:.2f} | '
+              f'{ratio["vectorized_map"]:.2f}x | {ratio["depthwise"]:.2f}x | '
+              f'{ratio["patches"]:.2f}x |')
+
+
+if __name__ == '__main__':
+    main()
