@@ -1,0 +1,192 @@
+"""The privacy ledger's state file: its format, events as JSON, and the
+checks that refuse a file that would under-count the privacy spent.
+
+State file (JSON, `format` 'tf_twice.PrivacyLedger', `version` 1):
+
+    {"format": ..., "version": 1, "delta": float, "orders": [float, ...],
+     "target_epsilon": float or null,
+     "steps": int,            # steps charged, reserved ones included
+     "reserved_steps": int,   # of which charged ahead, not yet confirmed
+     "segments": [{"event": EVENT, "count": int}, ...],
+     "epsilon": float, "optimal_order": float}   # informational
+
+EVENT is `DpEvent.to_named_tuple()` as JSON: {"module_name", "class_name",
+"arguments": {field: value}} with nested events in the same form and
+tuples as lists. On load, `epsilon` and `optimal_order` are recomputed
+from the segments, whose counts must add up to `steps` (a file with its
+segments missing, cut or edited is refused, not read as fewer steps);
+only dp_accounting and tf_twice event classes are accepted.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from typing import Any, Dict, List, Mapping, Tuple
+
+import dp_accounting
+import numpy as np
+
+from tf_twice import _validate
+
+__all__ = ['STATE_FORMAT', 'STATE_VERSION', 'check_state_path',
+           'event_from_json', 'event_key', 'event_to_json', 'parse_segments',
+           'read_state']
+
+STATE_FORMAT = 'tf_twice.PrivacyLedger'
+STATE_VERSION = 1
+_EVENT_MODULES = ('dp_accounting', 'tf_twice')
+
+
+# --- event <-> JSON ---------------------------------------------------------
+
+
+def _to_jsonable(value: Any) -> Any:
+    if hasattr(value, '_fields') and {'module_name', 'class_name'} <= set(
+            value._fields):  # An event's named tuple.
+        arguments = {
+            field: _to_jsonable(getattr(value, field))
+            for field in value._fields
+            if field not in ('module_name', 'class_name')
+        }
+        return {'module_name': value.module_name,
+                'class_name': value.class_name, 'arguments': arguments}
+    if isinstance(value, Mapping):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f'Cannot store event field {value!r} '
+                     f'({type(value).__name__}) as JSON.')
+
+
+def event_to_json(event: dp_accounting.DpEvent) -> Dict[str, Any]:
+    """A JSON-ready dict of `event` (via `DpEvent.to_named_tuple`)."""
+    return _to_jsonable(event.to_named_tuple())
+
+
+def _from_jsonable(value: Any) -> Any:
+    if isinstance(value, dict) and 'module_name' in value:
+        module = str(value['module_name'])
+        # from_named_tuple imports the module it names: only event modules.
+        if module.split('.')[0] not in _EVENT_MODULES:
+            raise ValueError(f'Ledger state names event module {module!r}; '
+                             f'only {_EVENT_MODULES} events are accepted.')
+        arguments = {k: _from_jsonable(v)
+                     for k, v in value.get('arguments', {}).items()}
+        wrapper = collections.namedtuple(
+            '_EventTuple', ['module_name', 'class_name', *arguments])
+        return wrapper(module, str(value['class_name']), **arguments)
+    if isinstance(value, list):
+        # Lists stay lists (as in ComposedDpEvent); event classes whose
+        # fields are tuples convert them themselves.
+        return [_from_jsonable(v) for v in value]
+    return value
+
+
+def event_from_json(obj: Mapping[str, Any]) -> dp_accounting.DpEvent:
+    """Inverse of `event_to_json`."""
+    try:
+        return dp_accounting.DpEvent.from_named_tuple(_from_jsonable(obj))
+    except (TypeError, AttributeError, ImportError, KeyError) as e:
+        raise ValueError(f'Ledger state holds an invalid event {obj!r}: '
+                         f'{e}') from e
+
+
+def event_key(event: dp_accounting.DpEvent) -> str:
+    return json.dumps(event_to_json(event), sort_keys=True)
+
+
+# --- the state file ---------------------------------------------------------
+
+
+def check_state_path(state_path: Any) -> str:
+    """`state_path` as a str, if a ledger can be written there.
+
+    Refused up front, not at the first write (after steps have run): a
+    directory, a file in a missing directory or in one that is not
+    writable.
+    """
+    if not isinstance(state_path, (str, os.PathLike)):
+        raise ValueError('state_path must be None or a file path; got '
+                         f'{state_path!r}.')
+    state_path = os.fspath(state_path)
+    if os.path.isdir(state_path):
+        raise ValueError(f'state_path={state_path!r} is a directory; give a '
+                         'file path, e.g. beside the checkpoints.')
+    directory = os.path.dirname(os.path.abspath(state_path))
+    if not os.path.isdir(directory):
+        raise ValueError(f'state_path={state_path!r}: its directory '
+                         f'{directory!r} does not exist; create it first.')
+    # The atomic write creates a temporary file there and renames it.
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f'state_path={state_path!r}: its directory '
+                         f'{directory!r} is not writable.')
+    return state_path
+
+
+def read_state(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        # Refuse rather than start from zero: that would reset the budget.
+        raise ValueError(
+            f'Cannot read the privacy ledger at state_path={path!r} ({e}); '
+            'fix or move it deliberately.') from e
+    if not isinstance(state, dict):
+        raise ValueError(
+            f'The privacy ledger at state_path={path!r} is not a JSON object; '
+            'fix or move it deliberately.')
+    return state
+
+
+def parse_segments(state: Mapping[str, Any]
+                    ) -> List[Tuple[dp_accounting.DpEvent, int]]:
+    """The (event, count) segments of a state, checked for consistency.
+
+    A state the ledger wrote always has a list of segments whose counts add
+    up to its ``steps``. One that does not (segments missing, emptied or cut,
+    ``steps`` edited) is refused: read as it stands it would restart the
+    privacy spent from fewer steps than were charged.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError('A privacy ledger state must be a JSON object; got '
+                         f'{type(state).__name__}.')
+    if state.get('format') != STATE_FORMAT:
+        raise ValueError(f"state must have format {STATE_FORMAT!r}; got "
+                         f"{state.get('format')!r}.")
+    if state.get('version') != STATE_VERSION:
+        raise ValueError(f'state version must be {STATE_VERSION}; got '
+                         f"{state.get('version')!r}.")
+    raw = state.get('segments')
+    if not isinstance(raw, list):
+        raise ValueError('state must hold its list of segments; got '
+                         f'segments={raw!r}. Refused rather than read as no '
+                         'steps: fix or move the file deliberately.')
+    segments = []
+    total = 0
+    for segment in raw:
+        if not isinstance(segment, Mapping) or 'event' not in segment:
+            raise ValueError('every segment of the state must be an object '
+                             f'with an event and a count; got {segment!r}.')
+        count = _validate.integer('segment count', segment.get('count'), 0)
+        total += count
+        if count:
+            segments.append((event_from_json(segment['event']), count))
+    steps = _validate.integer('state steps', state.get('steps'), 0)
+    if steps != total:
+        raise ValueError(
+            f'state says steps={steps}, but its segments hold {total} steps: '
+            'the file was cut or edited. Refused rather than read as the '
+            'smaller count: fix or move it deliberately.')
+    reserved = _validate.integer('state reserved_steps',
+                                 state.get('reserved_steps', 0), 0)
+    if reserved > steps:
+        raise ValueError(f'state reserved_steps={reserved} exceeds its '
+                         f'steps={steps}.')
+    return segments
