@@ -227,6 +227,26 @@ def test_custom_loop_steps_between_fits_are_charged():
     assert ledger.steps == int(dp.optimizer.iterations) == 7
 
 
+def test_new_ledger_refuses_steps_another_ledger_charged_before_a_recompile():
+    # The recompile's fresh optimizer starts its step count at 0, so only
+    # the step keys show that the weights hold the first ledger's steps.
+    dp = _dp_model()
+    first = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=3), callbacks=[first], verbose=0)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.01),
+               loss=tf.keras.losses.MeanSquaredError())
+    second = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    with pytest.raises(ValueError, match=r'run 3 DP steps in this process, '
+                       r'but this PrivacyLedger has charged only 0.*'
+                       r'record_steps\(3\)'):
+        dp.fit(_data(steps=2, seed=2), callbacks=[second], verbose=0)
+    assert dp.aggregator.keys.draws == 3  # Refused before any step.
+    second.record_steps(3)
+    dp.fit(_data(steps=2, seed=2), callbacks=[second], verbose=0)
+    # The first ledger, still holding the model, counts the steps too.
+    assert second.steps == first.steps == 5
+
+
 def test_ledger_alone_checks_a_dp_model():
     # Keras's own fit, without DPModel.fit's checks: the ledger still refuses.
     dp = _dp_model(linf_norm_clip=0.25)

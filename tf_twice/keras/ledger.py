@@ -73,6 +73,7 @@ The ledger uses Keras's public callback hooks, `model.stop_training` and
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import dp_accounting
@@ -232,6 +233,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._writer = None
         # Steps a tf_twice DP model ran, read from its step keys.
         self._drawn_steps = step_control.DrawnStepCounter()
+        # Counting and charging are one step for readers on other threads:
+        # none sees steps counted but not yet charged.
+        self._charge_lock = threading.RLock()
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
         # Whether this fit checked, before its first step, that the model's
@@ -401,11 +405,12 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         """Charges the steps a tf_twice DP model ran since the last charge
         (`step_control.DrawnStepCounter`); False for a model without step
         keys."""
-        executed = self._drawn_steps.new_steps(self.model)
-        if executed < 0:
-            return False
-        self._charge_counted(executed)
-        return True
+        with self._charge_lock:
+            executed = self._drawn_steps.new_steps(self.model)
+            if executed < 0:
+                return False
+            self._charge_counted(executed)
+            return True
 
     def _stop(self, k: int) -> None:
         self.model.stop_training = True

@@ -10,8 +10,9 @@ how to keep a step from running:
   the last reading are exactly the steps that ran, also those of a `fit`
   cut off by an exception or of a custom loop over `train_step`.
 * `check_weights_covered` compares the optimizer's step count (restored
-  with a checkpoint) with the steps charged: more optimizer steps means the
-  weights hold steps no ledger here accounted.
+  with a checkpoint) and the keys drawn in this process with the steps
+  charged: more of either means the weights hold steps this ledger never
+  accounted.
 * `block_train_function` swaps `model.train_function` for a no-op, because
   Keras ignores `model.stop_training` set before a step (e.g. a resumed run
   with no budget left for even one step); `unblock_train_function` restores
@@ -20,6 +21,7 @@ how to keep a step from running:
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Dict, List
 
 import numpy as np
@@ -51,12 +53,16 @@ class DrawnStepCounter:
     def __init__(self):
         # id(stream) -> [stream, draws already counted].
         self._counted: Dict[int, List[Any]] = {}
+        # A monitor thread may read the ledger while fit runs: two readings
+        # at once would both count the same steps.
+        self._lock = threading.Lock()
 
     def new_steps(self, model: tf.keras.Model) -> int:
         """Steps `model` ran since the last call, or -1 without step keys.
 
         The caller must charge the returned steps: they are marked as
-        accounted on the streams.
+        accounted on the streams. Thread-safe: each drawn step is returned
+        by exactly one call.
 
         Raises:
           ValueError: a stream holds steps marked unverified (a `fit`
@@ -64,6 +70,10 @@ class DrawnStepCounter:
             accountant's epsilon does not bound them and the weights keep
             them.
         """
+        with self._lock:
+            return self._new_steps(model)
+
+    def _new_steps(self, model: tf.keras.Model) -> int:
         streams = getattr(model, 'key_streams', None)
         if not streams:
             return -1
@@ -87,10 +97,13 @@ class DrawnStepCounter:
         executed = 0
         for entry in self._counted.values():
             keys, counted = entry
-            executed += keys.draws - counted
-            entry[1] = keys.draws
+            # Read once: a step finishing on another thread between two
+            # reads would be marked counted without being returned.
+            draws = keys.draws
+            executed += draws - counted
+            entry[1] = draws
             keys.accounted_draws = max(getattr(keys, 'accounted_draws', 0),
-                                       keys.draws)
+                                       draws)
         return executed
 
 
@@ -102,11 +115,25 @@ def check_weights_covered(model: tf.keras.Model, charged: int) -> None:
     count with the weights. More optimizer steps than charged steps means
     the weights hold steps the ledger never charged: a stale copy of the
     state file, another file, or a checkpoint trained beside another ledger.
-    Its epsilon would not bound what the weights reveal. A plain Keras
-    model's steps are the caller's to vouch for.
+    Its epsilon would not bound what the weights reveal. Within a process
+    the model's step keys show every DP step it ran, also those of an
+    optimizer a recompile replaced (whose step count the new optimizer
+    does not carry): more steps drawn than charged means another ledger
+    charged them. A plain Keras model's steps are the caller's to vouch
+    for.
     """
-    if not getattr(model, 'key_streams', None):
+    streams = getattr(model, 'key_streams', None)
+    if not streams:
         return
+    drawn = sum(keys.draws for keys in streams)
+    if drawn > charged:
+        raise ValueError(
+            f'{model.name} has run {drawn} DP steps in this process, but this '
+            f'PrivacyLedger has charged only {charged}: {drawn - charged} '
+            'step(s) were charged by another ledger (e.g. before a recompile '
+            'with a fresh optimizer), and the weights hold them. Keep '
+            'training under that ledger or load its state file; or charge '
+            f'them here first with ledger.record_steps({drawn - charged}).')
     iterations = getattr(getattr(model, 'optimizer', None), 'iterations',
                          None)
     if iterations is None:
