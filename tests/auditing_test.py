@@ -19,6 +19,8 @@ import tensorflow as tf
 from tests import tiny_models
 
 from tf_twice import auditing
+from tf_twice import sampling
+from tf_twice.keras import PrivacyLedger
 from tf_twice.mechanism import basis as basis_lib
 
 DIM = 4
@@ -161,6 +163,24 @@ def test_audit_catches_halved_noise():
     assert result.accountant_epsilon == pytest.approx(2.45, abs=0.01)
     assert result.refutes_accountant
     assert result.epsilon_lower_bound > result.accountant_epsilon + 0.5
+
+
+def test_a_ledger_after_an_audit_charges_only_the_steps_the_weights_hold():
+    # The audit's trials draw step keys but restore the weights: a ledger
+    # that then trains the model neither charges them nor refuses them.
+    model = _private(l2_norm_clip=1.0, noise_multiplier=1.0,
+                     expected_batch_size=2.0, num_examples=8,
+                     physical_batch_size=2)
+    auditing.audit_one_step(model, _canary(0), num_trials=20, delta=DELTA)
+    assert model.aggregator.keys.draws > 40
+    ledger = PrivacyLedger.for_model(model, delta=1e-5, verbose=0)
+    x = np.ones([8, DIM], np.float32)
+    model.fit(sampling.poisson_batches(x, np.ones([8, 1], np.float32),
+                                       physical_batch_size=2,
+                                       expected_batch_size=2.0, steps=3,
+                                       seed=0),
+              callbacks=[ledger], verbose=0)
+    assert ledger.steps == 3
 
 
 def test_audit_runs_without_seeds_and_checks_arguments():

@@ -378,7 +378,9 @@ def audit_one_step(model: tf.keras.Model,
             v.assign(value)
         if keys is not None:
             # The trials' steps are not charged: their weights are restored.
-            keys.accounted_draws += keys.draws - draws_before
+            trials = keys.draws - draws_before
+            keys.accounted_draws += trials
+            keys.exempt_draws += trials
 
     without, with_ = scores
     threshold = select_threshold(without[:num_selection],

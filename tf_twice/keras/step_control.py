@@ -125,7 +125,9 @@ def check_weights_covered(model: tf.keras.Model, charged: int) -> None:
     streams = getattr(model, 'key_streams', None)
     if not streams:
         return
-    drawn = sum(keys.draws for keys in streams)
+    # An audit's trials drew keys, but their weights were restored.
+    drawn = sum(keys.draws - getattr(keys, 'exempt_draws', 0)
+                for keys in streams)
     if drawn > charged:
         raise ValueError(
             f'{model.name} has run {drawn} DP steps in this process, but this '

@@ -142,6 +142,9 @@ class StepKeys:
         # this stream for the first time charges every draw after it, so
         # steps that ran before any ledger saw the model are not lost.
         self.accounted_draws = 0
+        # Of those, draws whose steps the weights do not hold (an audit's
+        # trials): a ledger need not cover them.
+        self.exempt_draws = 0
         # The draw count from which on steps ran on input that no check
         # showed to be Poisson-sampled (``mark_unverified``); None: none.
         self.unverified_from: Optional[int] = None
