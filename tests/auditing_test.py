@@ -198,3 +198,22 @@ def test_audit_runs_without_seeds_and_checks_arguments():
     with pytest.raises(ValueError, match='non-zero'):
         auditing.audit_one_step(model, _canary(0), num_trials=10,
                                 delta=DELTA, direction=[np.zeros((DIM, 1))])
+
+
+def test_a_ledger_before_an_audit_does_not_charge_its_trials():
+    model = _private(l2_norm_clip=1.0, noise_multiplier=1.0,
+                     expected_batch_size=2.0, num_examples=8,
+                     physical_batch_size=2)
+    ledger = PrivacyLedger.for_model(model, delta=1e-5, verbose=0)
+    x = np.ones([8, DIM], np.float32)
+
+    def data(seed):
+        return sampling.poisson_batches(x, np.ones([8, 1], np.float32),
+                                        physical_batch_size=2,
+                                        expected_batch_size=2.0, steps=3,
+                                        seed=seed)
+
+    model.fit(data(0), callbacks=[ledger], verbose=0)
+    auditing.audit_one_step(model, _canary(0), num_trials=20, delta=DELTA)
+    model.fit(data(1), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 6  # Not 6 + the audit's 41 draws.

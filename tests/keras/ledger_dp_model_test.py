@@ -297,3 +297,35 @@ def test_for_model_with_a_basis_accounts_every_block(tmp_path):
     assert resumed.steps == 2
     assert resumed.epsilon == pytest.approx(_accountant_epsilon((event, 2)),
                                             rel=1e-12)
+
+
+@markers.needs_tf_privacy_optimizers
+def test_recompiling_back_to_an_earlier_dp_optimizer_is_not_refused():
+    first = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        CONFIG, learning_rate=0.1, seed=0)
+    second = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        CONFIG, learning_rate=0.05, seed=1)
+    dp = DPModel(_model(), physical_batch_size=8)
+    dp.compile(optimizer=first, loss=tf.keras.losses.MeanSquaredError())
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=3), callbacks=[ledger], verbose=0)
+    dp.compile(optimizer=second, loss=tf.keras.losses.MeanSquaredError())
+    dp.fit(_data(steps=2, seed=2), callbacks=[ledger], verbose=0)
+    dp.compile(optimizer=first, loss=tf.keras.losses.MeanSquaredError())
+    # The ledger charged all 5 steps; the check sees 3 + 2 + 3 = 8.
+    dp.fit(_data(steps=2, seed=3), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 7
+
+
+def test_new_ledger_in_a_custom_loop_refuses_steps_another_ledger_charged():
+    dp = _dp_model()
+    first = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=3), callbacks=[first], verbose=0)
+    second = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    second.set_model(dp)
+    with pytest.raises(ValueError, match='record_steps'):
+        for batch in _data(steps=2, seed=2):
+            second.reserve_steps(1)
+            dp.train_step(batch)
+            second.record_steps(1)
+    # Without the refusal second.steps would be 2; the weights hold 5.

@@ -4,15 +4,19 @@ A monitor thread reading the ledger (its steps or epsilon) while `fit` runs
 makes `DrawnStepCounter.new_steps` race with the steps: a step that
 finishes while the streams are read must be charged at the next reading,
 never marked counted and lost (an under-count of epsilon), and two readings
-at once must not both count it (an over-count).
+at once must not both count it (an over-count). Saves and custom-loop
+records from other threads must not lose steps either.
 """
 
+import json
 import threading
 import types
 
+import dp_accounting
 import tensorflow as tf
 
 from tests import tiny_models
+from tf_twice import _files
 from tf_twice import sampling
 from tf_twice.config import TwiceSamplingConfig
 from tf_twice.keras import DPModel
@@ -87,3 +91,84 @@ def test_monitors_reading_the_ledger_during_training_charge_every_step_once():
             thread.join()
     assert dp.aggregator.keys.draws == int(dp.optimizer.iterations) == 40
     assert ledger.steps == 40
+
+
+def test_a_save_from_another_thread_never_leaves_the_file_behind_the_steps(
+        tmp_path, monkeypatch):
+    """`ledger.save()` on a monitor thread whose write is slow (fsync
+    releases the GIL): without a lock its stale file replaced the
+    write-ahead one while fit's steps went on, and a crash would lose them.
+    With the lock, training waits for the write (here: until the monitor
+    stops waiting, 2 s), and the file covers every step that ran."""
+    config = TwiceSamplingConfig.single(
+        num_examples=N, expected_batch_size=16.0, l2_norm_clip=1.0,
+        linf_norm_clip=0.5, coordinate_sampling_rate=0.5,
+        noise_multiplier=1.0)
+    dp = DPModel(tiny_models.linear(), config, physical_batch_size=8)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1),
+               loss=tf.keras.losses.SparseCategoricalCrossentropy(
+                   from_logits=True))
+    path = str(tmp_path / 'state.json')
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
+                                     save_every_steps=10, verbose=0)
+    real_write = _files.atomic_write_json
+    in_write, go = threading.Event(), threading.Event()
+
+    def slow_write(p, obj):  # The monitor's write is slow (fsync).
+        if threading.current_thread().name == 'monitor':
+            in_write.set()
+            go.wait(timeout=2)
+        real_write(p, obj)
+
+    monkeypatch.setattr(_files, 'atomic_write_json', slow_write)
+    monitor = threading.Thread(target=ledger.save, name='monitor')
+    seen = []
+
+    class Coordinator(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                monitor.start()
+                in_write.wait()
+            if batch == 6:
+                go.set()
+                monitor.join()
+                with open(path) as f:
+                    seen.append((json.load(f)['steps'],
+                                 dp.aggregator.keys.draws))
+
+    dp.fit(sampling.poisson_batches(X, Y, physical_batch_size=8,
+                                    expected_batch_size=16.0, steps=9,
+                                    seed=1),
+           callbacks=[ledger, Coordinator()], verbose=0)
+    on_disk, ran = seen[0]
+    assert on_disk >= ran, (on_disk, ran)  # Unlocked: 2 on disk, 7 ran.
+
+
+def test_concurrent_record_steps_charge_every_step():
+    """Thread A is switched out inside `record_steps`; thread B records a
+    step meanwhile. Unlocked, A took B's step for its own. With the lock, B
+    waits for A (A stops waiting for B after 1 s): both steps count."""
+    event = dp_accounting.PoissonSampledDpEvent(
+        0.01, dp_accounting.GaussianDpEvent(1.0))
+    ledger = PrivacyLedger(event, DELTA, verbose=0)
+    ledger.set_model(tf.keras.Sequential(
+        [tf.keras.layers.Dense(1, input_shape=(2,))]))
+    real_sync = ledger._sync
+    other_done = threading.Event()
+    others = []
+
+    def sync():  # Thread A is switched out after reading `before`.
+        if threading.current_thread().name == 'A' and not others:
+            others.append(threading.Thread(
+                target=lambda: (ledger.record_steps(1), other_done.set()),
+                name='B'))
+            others[0].start()
+            other_done.wait(timeout=1)
+        real_sync()
+
+    ledger._sync = sync
+    first = threading.Thread(target=lambda: ledger.record_steps(1), name='A')
+    first.start()
+    first.join()
+    others[0].join()
+    assert ledger.budget.steps == 2  # Unlocked: 1.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 from typing import Tuple
 
@@ -183,6 +184,9 @@ class PrivacyBudget:
         self._event_rdp = step.compose(event, 1).rdp  # One step's curve.
         self._segments: List[List[Any]] = []  # [key, event, count]
         self._steps = 0
+        # A monitor thread may save or read the state while training charges
+        # and writes ahead: each change and each write is one step.
+        self._lock = threading.RLock()
         for past_event, count in segments:
             self.compose(past_event, count)
         self._disk_steps = self._steps  # Steps the state file charges.
@@ -194,18 +198,19 @@ class PrivacyBudget:
 
     def compose(self, event: dp_accounting.DpEvent, count: int) -> None:
         """Adds `count` steps of `event` (in memory only)."""
-        self._accountant.compose(event, count)
-        key = (self._key if event is self._event
-               else ledger_state.event_key(event))
-        if key != self._key:
-            # The file's segments lack this event: the next charge or
-            # reserve_ahead must write, whatever the step counts say.
-            self._disk_steps = -1
-        if self._segments and self._segments[-1][0] == key:
-            self._segments[-1][2] += count
-        else:
-            self._segments.append([key, event, count])
-        self._steps += count
+        with self._lock:
+            self._accountant.compose(event, count)
+            key = (self._key if event is self._event
+                   else ledger_state.event_key(event))
+            if key != self._key:
+                # The file's segments lack this event: the next charge or
+                # reserve_ahead must write, whatever the step counts say.
+                self._disk_steps = -1
+            if self._segments and self._segments[-1][0] == key:
+                self._segments[-1][2] += count
+            else:
+                self._segments.append([key, event, count])
+            self._steps += count
 
     @property
     def event(self) -> dp_accounting.DpEvent:
@@ -292,69 +297,79 @@ class PrivacyBudget:
     def get_state(self, reserve: int = 0) -> Dict[str, Any]:
         """The state as a JSON-ready dict (format in the module docstring),
         with `reserve` steps of `event` charged ahead."""
-        segments = [{'event': json.loads(key), 'count': count}
-                    for key, _, count in self._segments]
-        if reserve:
-            if self._segments and self._segments[-1][0] == self._key:
-                segments[-1]['count'] += reserve
-            else:
-                segments.append({'event': self._event_json, 'count': reserve})
-        eps, order = self._epsilon_and_order_after(reserve)
-        return {
-            'format': STATE_FORMAT,
-            'version': STATE_VERSION,
-            'delta': self._delta,
-            'orders': [float(o) for o in self._accountant.orders],
-            'target_epsilon': self._target,
-            'steps': self._steps + reserve,
-            'reserved_steps': reserve,
-            'segments': segments,
-            'epsilon': float(eps),
-            'optimal_order': float(order),
-        }
+        with self._lock:
+            segments = [{'event': json.loads(key), 'count': count}
+                        for key, _, count in self._segments]
+            if reserve:
+                if self._segments and self._segments[-1][0] == self._key:
+                    segments[-1]['count'] += reserve
+                else:
+                    segments.append({'event': self._event_json,
+                                     'count': reserve})
+            eps, order = self._epsilon_and_order_after(reserve)
+            return {
+                'format': STATE_FORMAT,
+                'version': STATE_VERSION,
+                'delta': self._delta,
+                'orders': [float(o) for o in self._accountant.orders],
+                'target_epsilon': self._target,
+                'steps': self._steps + reserve,
+                'reserved_steps': reserve,
+                'segments': segments,
+                'epsilon': float(eps),
+                'optimal_order': float(order),
+            }
 
     def _write(self, reserve: int) -> None:
-        reserve = max(reserve, self._running)
-        files.atomic_write_json(self._state_path, self.get_state(reserve))
-        self._disk_steps = self._steps + reserve
+        with self._lock:  # The file and _disk_steps agree.
+            reserve = max(reserve, self._running)
+            state = self.get_state(reserve)
+            files.atomic_write_json(self._state_path, state)
+            self._disk_steps = state['steps']
 
     def save(self, path: Optional[str] = None) -> None:
         """Writes the exact state atomically to `path`, or to `state_path`
         as `write` does (keeping steps that may be running)."""
-        path = self._state_path if path is None else os.fspath(path)
-        if path is None:
-            raise ValueError('path is required when the ledger has no '
-                             'state_path.')
-        if path == self._state_path:
-            self._write(reserve=0)  # Keeps steps that may be running.
-        else:
-            files.atomic_write_json(path, self.get_state())
+        with self._lock:
+            path = self._state_path if path is None else os.fspath(path)
+            if path is None:
+                raise ValueError('path is required when the ledger has no '
+                                 'state_path.')
+            if path == self._state_path:
+                self._write(reserve=0)  # Keeps steps that may be running.
+            else:
+                files.atomic_write_json(path, self.get_state())
 
     def reserve_ahead(self, steps: int) -> None:
         """Before `steps` steps run: unless the file already covers them,
         writes it charging `save_every_steps` (at least `steps`) ahead,
         capped by the target and `max_steps`, never below `steps`."""
-        self._running = steps
-        if self._state_path is None or (
-                self._steps + steps <= self._disk_steps):
-            return
-        reserve = max(steps, self._save_every)
-        room = self.remaining_steps(limit=reserve)
-        if room is not None:
-            reserve = max(steps, room)  # The file never charges past them.
-        self._write(reserve)
+        with self._lock:
+            self._running = steps
+            if self._state_path is None or (
+                    self._steps + steps <= self._disk_steps):
+                return
+            reserve = max(steps, self._save_every)
+            room = self.remaining_steps(limit=reserve)
+            if room is not None:
+                # The file never charges past them.
+                reserve = max(steps, room)
+            self._write(reserve)
 
     def charge(self, count: int) -> None:
         """Charges `count` >= 1 steps of `event` that ran; the file is
         written when more ran than it charges."""
-        self.compose(self._event, _validate.integer('count', count, 1))
-        self._running = max(0, self._running - count)
-        if self._state_path is not None and self._steps > self._disk_steps:
-            self._write(reserve=0)
+        with self._lock:
+            self.compose(self._event, _validate.integer('count', count, 1))
+            self._running = max(0, self._running - count)
+            if (self._state_path is not None
+                    and self._steps > self._disk_steps):
+                self._write(reserve=0)
 
     def write(self) -> None:
         """Writes the exact count to `state_path` (if any), plus the steps
         announced by `reserve_ahead` and not charged yet (they may be
         running)."""
-        if self._state_path is not None:
-            self._write(reserve=0)
+        with self._lock:
+            if self._state_path is not None:
+                self._write(reserve=0)

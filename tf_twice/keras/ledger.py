@@ -236,6 +236,8 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         # Counting and charging are one step for readers on other threads:
         # none sees steps counted but not yet charged.
         self._charge_lock = threading.RLock()
+        # The model whose weights a custom loop's reserve or record checked.
+        self._loop_checked_model = None
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
         # Whether this fit checked, before its first step, that the model's
@@ -348,13 +350,16 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             `max_steps` (nothing is reserved then).
         """
         count = _validate.integer('count', count, 1)
-        self._sync()
-        if not self._budget.can_take(count):
-            raise ValueError(
-                f'{count} more step(s) would exceed the ledger\'s limits '
-                f'(steps {self._budget.steps}, max_steps {self.max_steps}, '
-                f'target_epsilon {self.target_epsilon}): do not run them.')
-        self._budget.reserve_ahead(count)
+        with self._charge_lock:
+            self._sync()
+            self._check_custom_loop_model()
+            if not self._budget.can_take(count):
+                raise ValueError(
+                    f'{count} more step(s) would exceed the ledger\'s limits '
+                    f'(steps {self._budget.steps}, max_steps '
+                    f'{self.max_steps}, target_epsilon '
+                    f'{self.target_epsilon}): do not run them.')
+            self._budget.reserve_ahead(count)
 
     def record_steps(self, count: int = 1) -> None:
         """Records `count` steps that happened (custom training loops).
@@ -368,21 +373,35 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         adds what they do not show, so no step is charged twice.
         """
         count = _validate.integer('count', count, 1)
-        before = self._budget.steps
-        self._sync()
-        missing = count - (self._budget.steps - before)
-        if missing > 0:
-            self._budget.charge(missing)
+        with self._charge_lock:  # Another thread's steps are not ours.
+            before = self._budget.steps
+            self._sync()
+            missing = count - (self._budget.steps - before)
+            if missing > 0:
+                self._budget.charge(missing)
+            # After the charge: recording them is how steps another ledger
+            # charged are charged here too.
+            self._check_custom_loop_model()
+
+    def _check_custom_loop_model(self) -> None:
+        """`fit` checks at its start that this ledger covers the weights;
+        a custom loop's first reserve or record does it here."""
+        model = getattr(self, 'model', None)
+        if model is not None and self._loop_checked_model is not model:
+            self._check_weights_covered()
+            self._loop_checked_model = model
 
     def get_state(self) -> Dict[str, Any]:
         """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`)."""
-        self._sync()
-        return self._budget.get_state()
+        with self._charge_lock:
+            self._sync()
+            return self._budget.get_state()
 
     def save(self, path: Optional[str] = None) -> None:
         """Writes the exact state atomically to `path` (or `state_path`)."""
-        self._sync()
-        self._budget.save(path)
+        with self._charge_lock:
+            self._sync()
+            self._budget.save(path)
 
     # --- Keras hooks ------------------------------------------------------
 

@@ -51,7 +51,7 @@ class DrawnStepCounter:
     """
 
     def __init__(self):
-        # id(stream) -> [stream, draws already counted].
+        # id(stream) -> [stream, draws already counted, exempt draws seen].
         self._counted: Dict[int, List[Any]] = {}
         # A monitor thread may read the ledger while fit runs: two readings
         # at once would both count the same steps.
@@ -82,13 +82,13 @@ class DrawnStepCounter:
             if id(keys) not in self._counted:
                 start = (min(keys.draws, getattr(keys, 'accounted_draws', 0))
                          if first_sight else 0)
-                self._counted[id(keys)] = [keys, start]
-        for keys, _ in self._counted.values():
+                self._counted[id(keys)] = [keys, start, _exempt(keys)]
+        for keys, _, _ in self._counted.values():
             marked = getattr(keys, 'unverified_from', None)
             if marked is not None and keys.draws > marked:
                 raise ValueError(
-                    f'{keys.draws - marked} step(s) of this model ran on input '
-                    'that was not checked to be Poisson-sampled (a fit '
+                    f'{keys.draws - marked} step(s) of this model ran on '
+                    'input that was not checked to be Poisson-sampled (a fit '
                     'without a PrivacyLedger on fixed-size or shuffled '
                     'batches): the accountant\'s epsilon is not a bound for '
                     'them, and the weights keep them, so this ledger cannot '
@@ -96,15 +96,21 @@ class DrawnStepCounter:
                     'fit(poisson_batches(...), callbacks=[ledger]).')
         executed = 0
         for entry in self._counted.values():
-            keys, counted = entry
+            keys, counted, exempt_seen = entry
             # Read once: a step finishing on another thread between two
             # reads would be marked counted without being returned.
-            draws = keys.draws
-            executed += draws - counted
-            entry[1] = draws
+            draws, exempt = keys.draws, _exempt(keys)
+            # An audit's trials since the last reading are not steps the
+            # weights hold (never below 0: counting them is safe).
+            executed += max(0, draws - counted - (exempt - exempt_seen))
+            entry[1], entry[2] = draws, exempt
             keys.accounted_draws = max(getattr(keys, 'accounted_draws', 0),
                                        draws)
         return executed
+
+
+def _exempt(keys: Any) -> int:
+    return getattr(keys, 'exempt_draws', 0)
 
 
 def check_weights_covered(model: tf.keras.Model, charged: int) -> None:
@@ -125,9 +131,10 @@ def check_weights_covered(model: tf.keras.Model, charged: int) -> None:
     streams = getattr(model, 'key_streams', None)
     if not streams:
         return
-    # An audit's trials drew keys, but their weights were restored.
-    drawn = sum(keys.draws - getattr(keys, 'exempt_draws', 0)
-                for keys in streams)
+    # An audit's trials drew keys, but their weights were restored. A
+    # stream is listed once per compile that used it: count it once.
+    unique = {id(keys): keys for keys in streams}.values()
+    drawn = sum(keys.draws - _exempt(keys) for keys in unique)
     if drawn > charged:
         raise ValueError(
             f'{model.name} has run {drawn} DP steps in this process, but this '
