@@ -11,7 +11,7 @@ draws the study's plot with the published results of `--dataset` marked.
 Run (the Fashion-MNIST study of docs/results.md):
 
   python examples/study_report.py \
-    --results_json=docs/figures/fmnist_study.json,docs/figures/fmnist_hybrid_projection_norms.json \
+    --results_json=docs/figures/fmnist_study.json,docs/figures/fmnist_hybrid_screen_rank8.json \
     --dataset=fashion_mnist --plot=docs/figures/fmnist_accuracy_vs_epsilon.png
 """
 
