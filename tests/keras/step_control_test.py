@@ -58,7 +58,7 @@ def test_a_step_finishing_during_a_reading_is_charged_later():
     assert charged == {at: 1 for at in range(1, 7)}, charged
 
 
-def test_monitors_reading_the_ledger_during_training_charge_every_step_once():
+def _dp_model():
     config = TwiceSamplingConfig.single(
         num_examples=N, expected_batch_size=16.0, l2_norm_clip=1.0,
         linf_norm_clip=0.5, coordinate_sampling_rate=0.5,
@@ -67,6 +67,11 @@ def test_monitors_reading_the_ledger_during_training_charge_every_step_once():
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.1),
                loss=tf.keras.losses.SparseCategoricalCrossentropy(
                    from_logits=True))
+    return dp
+
+
+def test_monitors_reading_the_ledger_during_training_charge_every_step_once():
+    dp = _dp_model()
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     ledger.set_model(dp)  # Charges the model's steps at every reading.
     assert ledger.steps == 0
@@ -100,14 +105,7 @@ def test_a_save_from_another_thread_never_leaves_the_file_behind_the_steps(
     write-ahead one while fit's steps went on, and a crash would lose them.
     With the lock, training waits for the write (here: until the monitor
     stops waiting, 2 s), and the file covers every step that ran."""
-    config = TwiceSamplingConfig.single(
-        num_examples=N, expected_batch_size=16.0, l2_norm_clip=1.0,
-        linf_norm_clip=0.5, coordinate_sampling_rate=0.5,
-        noise_multiplier=1.0)
-    dp = DPModel(tiny_models.linear(), config, physical_batch_size=8)
-    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1),
-               loss=tf.keras.losses.SparseCategoricalCrossentropy(
-                   from_logits=True))
+    dp = _dp_model()
     path = str(tmp_path / 'state.json')
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
                                      save_every_steps=10, verbose=0)
