@@ -186,11 +186,15 @@ class DPModel(tf.keras.Model):
 
     @property
     def key_streams(self) -> List[aggregator_lib.StepKeys]:
-        """Every step-key stream this model's steps have drawn from: those
-        of DP optimizers replaced by a recompile, then the current one."""
+        """Every step-key stream this model's steps have drawn from, each
+        once: those of DP optimizers replaced by a recompile, then the
+        current one (a recompile back to an earlier optimizer reuses its
+        stream)."""
         aggregator = self.aggregator
         current = [] if aggregator is None else [aggregator.keys]
-        return list(self._retired_keys) + current
+        retired = [keys for keys in self._retired_keys
+                   if all(keys is not c for c in current)]
+        return retired + current
 
     def save_random_state(self, path: str) -> None:
         """Writes the SECRET state of the step keys to ``path``.
@@ -241,7 +245,8 @@ class DPModel(tf.keras.Model):
         kwargs.setdefault('jit_compile', False)
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
-        if previous is not None and previous is not self.aggregator:
+        if previous is not None and previous is not self.aggregator and all(
+                previous.keys is not keys for keys in self._retired_keys):
             self._retired_keys.append(previous.keys)
         # A legacy optimizer creates its step counter on first use; the
         # traced step reads it (a seeded stream's position), so it must

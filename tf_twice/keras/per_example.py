@@ -35,8 +35,8 @@ LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 # Weights scale an example's clipped contribution: above 1 it would exceed
 # the clip bound the accountant assumes.
 WEIGHT_RANGE = ('must be finite and in [0, 1] (1: a real example, 0: '
-                 'padding); a weight above 1 would scale an example\'s '
-                 'clipped gradient past the bound the accountant assumes')
+                'padding); a weight above 1 would scale an example\'s '
+                'clipped gradient past the bound the accountant assumes')
 
 
 def _are_class_indices(y_true: tf.Tensor, y_pred: tf.Tensor) -> bool:

@@ -21,7 +21,6 @@ how to keep a step from running:
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Dict, List
 
 import numpy as np
@@ -53,16 +52,14 @@ class DrawnStepCounter:
     def __init__(self):
         # id(stream) -> [stream, draws already counted, exempt draws seen].
         self._counted: Dict[int, List[Any]] = {}
-        # A monitor thread may read the ledger while fit runs: two readings
-        # at once would both count the same steps.
-        self._lock = threading.Lock()
 
     def new_steps(self, model: tf.keras.Model) -> int:
         """Steps `model` ran since the last call, or -1 without step keys.
 
         The caller must charge the returned steps: they are marked as
-        accounted on the streams. Thread-safe: each drawn step is returned
-        by exactly one call.
+        accounted on the streams. Calls from several threads must be
+        serialised, with the charge (`PrivacyLedger` holds its charge lock):
+        then each drawn step is returned by exactly one call.
 
         Raises:
           ValueError: a stream holds steps marked unverified (a `fit`
@@ -70,10 +67,6 @@ class DrawnStepCounter:
             accountant's epsilon does not bound them and the weights keep
             them.
         """
-        with self._lock:
-            return self._new_steps(model)
-
-    def _new_steps(self, model: tf.keras.Model) -> int:
         streams = getattr(model, 'key_streams', None)
         if not streams:
             return -1
@@ -131,10 +124,8 @@ def check_weights_covered(model: tf.keras.Model, charged: int) -> None:
     streams = getattr(model, 'key_streams', None)
     if not streams:
         return
-    # An audit's trials drew keys, but their weights were restored. A
-    # stream is listed once per compile that used it: count it once.
-    unique = {id(keys): keys for keys in streams}.values()
-    drawn = sum(keys.draws - _exempt(keys) for keys in unique)
+    # An audit's trials drew keys, but their weights were restored.
+    drawn = sum(keys.draws - _exempt(keys) for keys in streams)
     if drawn > charged:
         raise ValueError(
             f'{model.name} has run {drawn} DP steps in this process, but this '
