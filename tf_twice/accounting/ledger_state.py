@@ -14,8 +14,11 @@ EVENT is `DpEvent.to_named_tuple()` as JSON: {"module_name", "class_name",
 "arguments": {field: value}} with nested events in the same form and
 tuples as lists. On load, `epsilon` and `optimal_order` are recomputed
 from the segments, whose counts must add up to `steps` (a file with its
-segments missing, cut or edited is refused, not read as fewer steps);
-only dp_accounting and tf_twice event classes are accepted.
+segments missing or cut, or its counts edited, is refused, not read as
+fewer steps); only dp_accounting and tf_twice event classes are accepted.
+The file is the user's record, not tamper-proof: an event edited on purpose
+(e.g. its noise) is read as written, and nothing binds the file to the
+weights it accounts (another run's file is not detected).
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ Guarantees:
   budget) and the file written; at each epoch end and at the end of
   training the exact count is written. A crash over-counts by at most
   `save_every_steps` steps and never under-counts. A ledger whose
-  `state_path` exists always loads it; a file whose segments were cut or
-  edited is refused (`tf_twice.accounting.budget`). Custom loops get the
+  `state_path` exists always loads it; a file whose segment counts do not
+  add up (cut, or its steps edited) is refused
+  (`tf_twice.accounting.ledger_state`). Custom loops get the
   same write-ahead from `reserve_steps` before their steps and
   `record_steps` after them.
 * **Covers the weights.** Before the first step of every `fit`, a DP model
