@@ -82,7 +82,7 @@ class _Recorder(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.states_after.append(_state(self.model))
-        self.weights_after.append(self.model.get_weights())
+        self.weights_after.append(self.model.inner_model.get_weights())
 
 
 class _Crash(tf.keras.callbacks.Callback):
@@ -148,7 +148,7 @@ def test_resume_from_model_checkpoint(tmp_path):
     # (b) The last checkpoint is the one after step LAST_CHECKPOINT.
     assert os.listdir(tmp_path / 'checkpoints') == ['model.weights.h5']
     dp.load_weights(weights_path)
-    _assert_weights_equal(dp.get_weights(),
+    _assert_weights_equal(dp.inner_model.get_weights(),
                           recorder.weights_after[LAST_CHECKPOINT - 1])
     assert int(dp.optimizer.iterations) == LAST_CHECKPOINT
 
@@ -186,7 +186,7 @@ def test_resume_with_backup_and_restore(tmp_path, ledger_first):
 
         def on_train_begin(self, logs=None):
             self.iterations = int(self.model.optimizer.iterations)
-            self.weights = self.model.get_weights()
+            self.weights = self.model.inner_model.get_weights()
 
     after_restore = _AfterRestore()
     new_recorder = _Recorder()

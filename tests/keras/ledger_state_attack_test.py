@@ -1,53 +1,130 @@
 """Attacks on the ledger's state file, resume and audit exemption.
 
-The state file is the user's record, not tamper-proof: a file edited on
-purpose, or another run's file put beside a checkpoint, is not detected
-(strict xfails, open). The other tests guard avenues that are closed.
+The state file's history digest refuses a file edited by hand; the binding
+a DPModel's weights keep (`tf_twice.keras.ledger_binding`) refuses a ledger
+whose first steps are not those the weights were trained with: a new
+ledger, a stale copy, another run's file of other events, a file edited
+with its digest recomputed. The other tests guard
+avenues that are closed too.
 """
 
 import json
+import os
 
 import dp_accounting
+import numpy as np
 import pytest
+import tensorflow as tf
 
+from tests import markers
 from tests.keras.privacy_audit_test import DELTA, X, Y, _config, _data
 from tests.keras.privacy_audit_test import _dp_model
 from tests.keras.privacy_audit_test import _iterations
 from tf_twice import auditing
 from tf_twice.accounting import budget as budget_lib
+from tf_twice.accounting import ledger_state
+from tf_twice.keras import DPModel
 from tf_twice.keras import PrivacyLedger
 
 WEAK, STRONG = 0.3, 5.0  # Noise multipliers.
+# Every kind of checkpoint that restores a DPModel's weights in place.
+CHECKPOINTS = [pytest.param('tf_checkpoint', marks=markers.needs_keras_2),
+               'weights_h5', 'tf_train_checkpoint']
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'parse_segments checks only that the counts add up to steps: a segment '
-    'whose event was edited (here to NoOpDpEvent) is accepted, and its '
-    'steps count 0 towards epsilon'))
-def test_a_state_file_whose_segment_event_was_edited_is_refused(tmp_path):
-    path = str(tmp_path / 'ledger.json')
-    event = _config().dp_event()
-    ledger = PrivacyLedger(event, DELTA, state_path=path, verbose=0)
-    ledger.record_steps(100)
-    honest = ledger.epsilon
-    state = json.load(open(path))
-    state['segments'][0]['event'] = budget_lib.event_to_json(
-        dp_accounting.NoOpDpEvent())
+def _save(dp, kind, directory):
+    if kind == 'tf_checkpoint':
+        path = os.path.join(directory, 'ckpt')
+        dp.save_weights(path)
+    elif kind == 'weights_h5':
+        path = os.path.join(directory, 'model.weights.h5')
+        dp.save_weights(path)
+    else:
+        path = tf.train.Checkpoint(optimizer=dp.optimizer, model=dp).write(
+            os.path.join(directory, 'train_ckpt'))
+    return path
+
+
+def _load(dp, kind, path):
+    if kind == 'tf_train_checkpoint':
+        tf.train.Checkpoint(optimizer=dp.optimizer, model=dp).read(
+            path).assert_existing_objects_matched()
+    else:
+        dp.load_weights(path)
+
+
+def _loss():
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _trained(tmp_path, steps, kind='weights_h5', noise=1.0):
+    """A run of `steps` steps under a ledger with a state file, saved; the
+    state file's path and the checkpoint's."""
+    state = str(tmp_path / 'ledger.json')
+    dp = _dp_model(config=_config(noise_multiplier=noise))
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=state,
+                                     verbose=0)
+    dp.fit(_data(steps, 1), callbacks=[ledger], verbose=0)
+    assert ledger.steps == steps
+    return state, _save(dp, kind, str(tmp_path))
+
+
+def _restored(kind, checkpoint, noise=1.0, fresh_optimizer=False):
+    """A new model given the checkpoint (as a new process would); with
+    `fresh_optimizer`, recompiled so that the optimizer's step count is 0
+    (the binding is the only trace of the steps then)."""
+    dp = _dp_model(config=_config(noise_multiplier=noise))
+    dp(X[:1])
+    _load(dp, kind, checkpoint)
+    if fresh_optimizer:
+        dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
+        assert _iterations(dp) == 0
+    return dp
+
+
+def _edit_file(path, edit, recompute_digest):
+    with open(path) as f:
+        state = json.load(f)
+    edit(state)
+    if recompute_digest:  # As a deliberate forger would.
+        segments = ledger_state.parse_segments(
+            dict(state, version=1))  # Version 1 skips the digest check.
+        state['history_digest'] = ledger_state.word_to_hex(
+            ledger_state.history_digest(
+                [(ledger_state.event_key(e), c) for e, c in segments]))
     with open(path, 'w') as f:
         json.dump(state, f)
-    try:
-        resumed = PrivacyLedger(event, DELTA, state_path=path, verbose=0)
-    except ValueError:
-        return  # Refused: the fix.
-    assert resumed.steps == 100
-    assert resumed.epsilon >= honest  # Now 0.0.
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'check_weights_covered compares step counts only: the state file of '
-    'another run (more steps of a stronger-noise event) beside a checkpoint '
-    'trained at weak noise is accepted, and its epsilon is below what the '
-    'weights hold'))
+def _to_no_op(state):
+    state['segments'][0]['event'] = budget_lib.event_to_json(
+        dp_accounting.NoOpDpEvent())
+
+
+def test_a_state_file_edited_by_hand_is_refused(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    event = _config().dp_event()
+    PrivacyLedger(event, DELTA, state_path=path, verbose=0).record_steps(100)
+    _edit_file(path, _to_no_op, recompute_digest=False)
+    with pytest.raises(ValueError, match='history_digest does not match'):
+        PrivacyLedger(event, DELTA, state_path=path, verbose=0)
+
+
+def test_a_forged_state_file_beside_its_checkpoint_is_refused(tmp_path):
+    # The digest recomputed: only the weights' binding can tell.
+    state, checkpoint = _trained(tmp_path, 3)
+    _edit_file(state, _to_no_op, recompute_digest=True)
+    forged = PrivacyLedger.for_model(_dp_model(), delta=DELTA,
+                                     state_path=state, verbose=0)
+    assert forged.steps == 3 and forged.epsilon == 0.0  # Read as written.
+    dp = _restored('weights_h5', checkpoint)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=state,
+                                     verbose=0)
+    with pytest.raises(ValueError, match='not the steps'):
+        dp.fit(_data(1, 2), callbacks=[ledger], verbose=0)
+    assert _iterations(dp) == 3  # No step ran.
+
+
 def test_another_runs_state_file_beside_a_checkpoint_is_refused(tmp_path):
     other = str(tmp_path / 'other.json')
     checkpoint = str(tmp_path / 'ckpt.weights.h5')
@@ -61,19 +138,124 @@ def test_another_runs_state_file_beside_a_checkpoint_is_refused(tmp_path):
     dp.fit(_data(3, 1), callbacks=[ledger_b], verbose=0)
     assert _iterations(dp) == 3
     dp.save_weights(checkpoint)
-    # Resume B's checkpoint with A's state file.
+    # Resume B's checkpoint with A's state file: A's 10 steps cover the
+    # optimizer's 3, so only the binding's history tells them apart.
     resumed = _dp_model(config=weak)
     resumed.load_weights(checkpoint)
     assert _iterations(resumed) == 3
     ledger = PrivacyLedger.for_model(resumed, delta=DELTA,
                                      state_path=other, verbose=0)
-    try:
+    assert ledger.epsilon < weak.epsilon(3, DELTA)
+    with pytest.raises(ValueError, match='not the steps'):
         resumed.fit(_data(1, 2), callbacks=[ledger], verbose=0)
-    except ValueError:
-        return  # Refused: the fix.
-    held = _iterations(resumed)
-    assert ledger.epsilon >= weak.epsilon(held, DELTA) * (1 - 1e-9), (
-        ledger.epsilon, weak.epsilon(held, DELTA))
+    assert _iterations(resumed) == 3
+
+
+def test_another_runs_state_file_of_the_same_events_is_accepted(tmp_path):
+    # Sound: its first 3 steps are the weights' 3, and its epsilon (10
+    # steps) bounds theirs. The rule is the history, not the run.
+    other = str(tmp_path / 'other.json')
+    PrivacyLedger(_config().dp_event(), DELTA, state_path=other,
+                  verbose=0).record_steps(10)
+    _, checkpoint = _trained(tmp_path, 3)
+    dp = _restored('weights_h5', checkpoint)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=other,
+                                     verbose=0)
+    dp.fit(_data(1, 2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 11
+
+
+@pytest.mark.parametrize('kind', CHECKPOINTS)
+def test_a_new_ledger_on_a_restored_checkpoint_is_refused(tmp_path, kind):
+    # A new process, a fresh optimizer and a fresh ledger: epsilon 0 for
+    # weights that hold 3 steps, unless the binding is restored.
+    _, checkpoint = _trained(tmp_path, 3, kind)
+    dp = _restored(kind, checkpoint, fresh_optimizer=True)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    with pytest.raises(ValueError, match=r'hold 3 DP steps.*only 0'):
+        dp.fit(_data(1, 2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 0
+    # Charging them (they ran under this event) is the one way on.
+    ledger.record_steps(3)
+    dp.fit(_data(1, 2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 4
+
+
+@pytest.mark.parametrize('kind', CHECKPOINTS)
+def test_a_checkpoint_resumes_with_its_state_file(tmp_path, kind):
+    # The file runs ahead of the checkpoint (steps after it, lost in a
+    # crash): still the same run and history, so accepted.
+    state, checkpoint = _trained(tmp_path, 3, kind)
+    PrivacyLedger.for_model(_dp_model(), delta=DELTA, state_path=state,
+                            verbose=0).record_steps(2)
+    dp = _restored(kind, checkpoint)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=state,
+                                     verbose=0)
+    dp.fit(_data(2, 2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 7 and _iterations(dp) == 5
+    steps, digest = dp.ledger_binding.numpy()
+    assert steps == 7 and digest == ledger.budget.history_digest()
+
+
+def test_a_stale_copy_of_the_state_file_is_refused(tmp_path):
+    state, _ = _trained(tmp_path, 2)
+    stale = str(tmp_path / 'stale.json')
+    with open(state) as f, open(stale, 'w') as g:
+        g.write(f.read())
+    # The run goes on to 5 steps and is checkpointed.
+    dp = _dp_model()
+    dp(X[:1])
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=state,
+                                     verbose=0)
+    dp.fit(_data(3, 3), callbacks=[ledger], verbose=0)
+    checkpoint = _save(dp, 'weights_h5', str(tmp_path))
+    # The optimizer's count would tell too: a fresh one leaves the binding.
+    resumed = _restored('weights_h5', checkpoint, fresh_optimizer=True)
+    ledger = PrivacyLedger.for_model(resumed, delta=DELTA, state_path=stale,
+                                     verbose=0)
+    with pytest.raises(ValueError, match=r'hold 5 DP steps.*only 2.*stale'):
+        resumed.fit(_data(1, 4), callbacks=[ledger], verbose=0)
+
+
+def test_a_custom_loop_on_a_restored_checkpoint_is_refused(tmp_path):
+    _, checkpoint = _trained(tmp_path, 3)
+    dp = _restored('weights_h5', checkpoint, fresh_optimizer=True)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    ledger.set_model(dp)
+    with pytest.raises(ValueError, match='hold 3 DP steps'):
+        ledger.reserve_steps(1)
+
+
+def test_a_public_starting_point_is_wrapped_anew(tmp_path):
+    # The documented way to start a new account from trained weights whose
+    # privacy is accounted elsewhere: a new DPModel, unbound.
+    _, checkpoint = _trained(tmp_path, 3)
+    restored = _restored('weights_h5', checkpoint)
+    dp = DPModel(restored.inner_model, _config(), physical_batch_size=8)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
+    assert not np.any(dp.ledger_binding.numpy())
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(1, 2), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 1
+
+
+def test_a_version_1_state_file_is_read_and_rewritten_as_2(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    event = _config().dp_event()
+    PrivacyLedger(event, DELTA, state_path=path, verbose=0).record_steps(4)
+    with open(path) as f:
+        state = json.load(f)
+    state['version'] = 1
+    del state['history_digest']
+    with open(path, 'w') as f:
+        json.dump(state, f)
+    ledger = PrivacyLedger(event, DELTA, state_path=path, verbose=0)
+    assert ledger.steps == 4
+    ledger.record_steps(1)
+    with open(path) as f:
+        state = json.load(f)
+    assert state['version'] == 2 and state['steps'] == 5
+    assert int(state['history_digest'], 16) == ledger.budget.history_digest()
 
 
 @pytest.mark.parametrize('orders', [[0.5], [1.0], [float('nan')], [-2.0]])

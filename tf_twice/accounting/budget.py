@@ -178,8 +178,7 @@ class PrivacyBudget:
                              'TwiceSampledGaussianDpEvent must not be wrapped '
                              'in PoissonSampledDpEvent).')
         self._event = event
-        self._event_json = event_to_json(event)  # Fails early if unstorable.
-        self._key = ledger_state.event_key(event)
+        self._key = ledger_state.event_key(event)  # Fails if unstorable.
         step = TwiceSamplingRdpAccountant(self._accountant.orders)
         self._event_rdp = step.compose(event, 1).rdp  # One step's curve.
         self._segments: List[List[Any]] = []  # [key, event, count]
@@ -242,6 +241,13 @@ class PrivacyBudget:
         """Steps charged, including those loaded."""
         return self._steps
 
+    def history_digest(self, steps: Optional[int] = None) -> int:
+        """`ledger_state.history_digest` of the first `steps` steps charged
+        (all if None): which events they were, in order."""
+        with self._lock:
+            return ledger_state.history_digest(
+                [(key, count) for key, _, count in self._segments], steps)
+
     @property
     def accountant(self) -> TwiceSamplingRdpAccountant:
         """A copy of the accountant holding every step charged."""
@@ -298,14 +304,16 @@ class PrivacyBudget:
         """The state as a JSON-ready dict (format in the module docstring),
         with `reserve` steps of `event` charged ahead."""
         with self._lock:
-            segments = [{'event': json.loads(key), 'count': count}
-                        for key, _, count in self._segments]
+            keyed = [(key, count) for key, _, count in self._segments]
             if reserve:
-                if self._segments and self._segments[-1][0] == self._key:
-                    segments[-1]['count'] += reserve
+                keyed.append((self._key, reserve))
+            digest = ledger_state.history_digest(keyed)
+            segments = []
+            for key, count in keyed:  # The reserve joins its event's run.
+                if segments and segments[-1][0] == key:
+                    segments[-1][1] += count
                 else:
-                    segments.append({'event': self._event_json,
-                                     'count': reserve})
+                    segments.append([key, count])
             eps, order = self._epsilon_and_order_after(reserve)
             return {
                 'format': STATE_FORMAT,
@@ -315,7 +323,9 @@ class PrivacyBudget:
                 'target_epsilon': self._target,
                 'steps': self._steps + reserve,
                 'reserved_steps': reserve,
-                'segments': segments,
+                'history_digest': ledger_state.word_to_hex(digest),
+                'segments': [{'event': json.loads(key), 'count': count}
+                             for key, count in segments],
                 'epsilon': float(eps),
                 'optimal_order': float(order),
             }

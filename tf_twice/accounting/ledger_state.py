@@ -1,10 +1,11 @@
 """The privacy ledger's state file: its format, events as JSON, and the
 checks that refuse a file that would under-count the privacy spent.
 
-State file (JSON, `format` 'tf_twice.PrivacyLedger', `version` 1):
+State file (JSON, `format` 'tf_twice.PrivacyLedger', `version` 2):
 
-    {"format": ..., "version": 1, "delta": float, "orders": [float, ...],
+    {"format": ..., "version": 2, "delta": float, "orders": [float, ...],
      "target_epsilon": float or null,
+     "history_digest": "16 hex digits",  # of the segments' events
      "steps": int,            # steps charged, reserved ones included
      "reserved_steps": int,   # of which charged ahead, not yet confirmed
      "segments": [{"event": EVENT, "count": int}, ...],
@@ -16,17 +17,23 @@ tuples as lists. On load, `epsilon` and `optimal_order` are recomputed
 from the segments, whose counts must add up to `steps` (a file with its
 segments missing or cut, or its counts edited, is refused, not read as
 fewer steps); only dp_accounting and tf_twice event classes are accepted.
-The file is the user's record, not tamper-proof: an event edited on purpose
-(e.g. its noise) is read as written, and nothing binds the file to the
-weights it accounts (another run's file is not detected).
+A file whose `history_digest` is not its segments' (an event or count edited
+by hand) is refused. Version 1 files (before the digest) are still read.
+
+The digest catches mistakes, not forgery: whoever edits a file can recompute
+it. What binds a file to the weights it accounts is the step count and the
+digest of those steps that `tf_twice.keras.PrivacyLedger` keeps in a
+DPModel's weights (`tf_twice.keras.ledger_binding`): a checkpoint then only
+resumes with a file whose first steps are the ones it was trained with.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import dp_accounting
 import numpy as np
@@ -34,11 +41,13 @@ import numpy as np
 from tf_twice import _validate
 
 __all__ = ['STATE_FORMAT', 'STATE_VERSION', 'check_state_path',
-           'event_from_json', 'event_key', 'event_to_json', 'parse_segments',
-           'read_state']
+           'event_from_json', 'event_key', 'event_to_json', 'history_digest',
+           'parse_segments', 'read_state', 'word_to_hex']
 
 STATE_FORMAT = 'tf_twice.PrivacyLedger'
-STATE_VERSION = 1
+STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # 1: before the history digest.
+_WORD = 2**63  # Digests are int64 words (a model's binding).
 _EVENT_MODULES = ('dp_accounting', 'tf_twice')
 
 
@@ -104,6 +113,54 @@ def event_key(event: dp_accounting.DpEvent) -> str:
     return json.dumps(event_to_json(event), sort_keys=True)
 
 
+# --- history digests --------------------------------------------------------
+
+
+def word_to_hex(word: int) -> str:
+    return f'{word:016x}'
+
+
+def _hex_to_word(name: str, text: Any) -> int:
+    try:
+        word = int(text, 16) if isinstance(text, str) and len(text) == 16 \
+            else -1
+    except ValueError:
+        word = -1
+    if not 0 <= word < _WORD:
+        raise ValueError(f'state {name} must be 16 hex digits below 2**63; '
+                         f'got {text!r}.')
+    return word
+
+
+def history_digest(segments: Iterable[Tuple[str, int]],
+                   steps: Optional[int] = None) -> int:
+    """A word in [0, 2**63) that names the events of the first `steps` steps.
+
+    `segments` are (event_key, count) pairs in order; all steps if `steps`
+    is None. Consecutive segments of one event and empty ones are merged
+    first, so a history and any continuation of it give the same digest
+    for their common first steps (SHA-256 of the merged list, truncated).
+    """
+    merged: List[List[Any]] = []
+    left = steps
+    for key, count in segments:
+        if left is not None:
+            count = min(count, left)
+            left -= count
+        if count <= 0:
+            continue
+        if merged and merged[-1][0] == key:
+            merged[-1][1] += count
+        else:
+            merged.append([key, count])
+    if left:
+        raise ValueError(f'history_digest: steps={steps} exceeds the '
+                         'history\'s steps.')
+    text = json.dumps(merged)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8],
+                          'big') >> 1
+
+
 # --- the state file ---------------------------------------------------------
 
 
@@ -155,7 +212,8 @@ def parse_segments(state: Mapping[str, Any]
     A state the ledger wrote always has a list of segments whose counts add
     up to its ``steps``. One that does not (segments missing, emptied or cut,
     ``steps`` edited) is refused: read as it stands it would restart the
-    privacy spent from fewer steps than were charged.
+    privacy spent from fewer steps than were charged. So is a version 2
+    state whose ``history_digest`` is not that of its segments.
     """
     if not isinstance(state, Mapping):
         raise ValueError('A privacy ledger state must be a JSON object; got '
@@ -163,9 +221,9 @@ def parse_segments(state: Mapping[str, Any]
     if state.get('format') != STATE_FORMAT:
         raise ValueError(f"state must have format {STATE_FORMAT!r}; got "
                          f"{state.get('format')!r}.")
-    if state.get('version') != STATE_VERSION:
-        raise ValueError(f'state version must be {STATE_VERSION}; got '
-                         f"{state.get('version')!r}.")
+    if state.get('version') not in _READABLE_VERSIONS:
+        raise ValueError(f'state version must be one of {_READABLE_VERSIONS}'
+                         f"; got {state.get('version')!r}.")
     raw = state.get('segments')
     if not isinstance(raw, list):
         raise ValueError('state must hold its list of segments; got '
@@ -192,4 +250,12 @@ def parse_segments(state: Mapping[str, Any]
     if reserved > steps:
         raise ValueError(f'state reserved_steps={reserved} exceeds its '
                          f'steps={steps}.')
+    if state.get('version') != 1:
+        digest = _hex_to_word('history_digest', state.get('history_digest'))
+        if digest != history_digest([(event_key(e), c) for e, c in segments]):
+            raise ValueError(
+                'state history_digest does not match its segments: an event '
+                'or a count was edited after the ledger wrote the file. '
+                'Refused rather than read as edited: fix or move it '
+                'deliberately.')
     return segments

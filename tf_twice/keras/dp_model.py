@@ -41,6 +41,7 @@ from tf_twice.keras import class_weights
 from tf_twice.keras import dp_step
 from tf_twice.keras import fit_checks
 from tf_twice.keras import guards
+from tf_twice.keras import ledger_binding
 from tf_twice.keras import per_example
 from tf_twice.keras.per_example import default_physical_batch_size
 from tf_twice.mechanism import aggregator as aggregator_lib
@@ -118,8 +119,11 @@ class DPModel(tf.keras.Model):
         self.physical_batch_size = _validate.integer(
             'physical_batch_size', physical_batch_size, 1)
         self.inner_model = model
-        # The wrapper has no weights of its own: it is built when the
-        # wrapped model is (so that saving and loading see its weights).
+        # Its one weight of its own: the ledger run that accounts the
+        # weights, saved and restored with them (``ledger_binding``).
+        self.ledger_binding = ledger_binding.add_binding_variable(self)
+        # Built when the wrapped model is (so that saving and loading see
+        # its weights).
         self.built = model.built
         # A plain attribute of a non-trackable object: Keras puts neither the
         # step keys nor the basis into weights, checkpoints or configs.
@@ -277,7 +281,8 @@ class DPModel(tf.keras.Model):
 
     def load_own_variables(self, store) -> None:
         own, saved = _keras.split_legacy_optimizer(store)
-        super().load_own_variables(own)
+        if len(own):  # None in a file from before the binding: unbound.
+            super().load_own_variables(own)
         optimizer = getattr(self, 'optimizer', None)
         if optimizer is not None:
             _keras.load_legacy_optimizer(optimizer, saved, self.inner_model)

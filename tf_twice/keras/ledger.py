@@ -28,15 +28,18 @@ Guarantees:
   training the exact count is written. A crash over-counts by at most
   `save_every_steps` steps and never under-counts. A ledger whose
   `state_path` exists always loads it; a file whose segment counts do not
-  add up (cut, or its steps edited) is refused
-  (`tf_twice.accounting.ledger_state`). Custom loops get the
-  same write-ahead from `reserve_steps` before their steps and
+  add up (cut, or its steps edited), or whose history digest is not its
+  segments', is refused (`tf_twice.accounting.ledger_state`). Custom loops
+  get the same write-ahead from `reserve_steps` before their steps and
   `record_steps` after them.
-* **Covers the weights.** Before the first step of every `fit`, a DP model
-  whose optimizer has taken more steps than the ledger charged is refused:
-  its checkpoint holds steps this ledger never saw (a stale or another
-  state file), so the ledger's epsilon would not bound what the weights
-  reveal.
+* **Covers the weights.** Before the first step of every `fit` (and a
+  custom loop's first `reserve_steps`/`record_steps`), a DP model is
+  refused whose weights hold steps this ledger does not account: more
+  optimizer steps or step keys than it charged (`step_control`), or a
+  binding (`ledger_binding`, saved with the weights) to a history whose
+  steps are not this ledger's first ones (a new ledger, a stale, edited
+  or another run's state file). Its epsilon would not bound what the
+  weights reveal. Each charge then updates the binding.
 * **Accounts the mechanism that runs.** `PrivacyLedger.for_model` takes
   the event from the model (`DPModel.dp_event()`, derived from its
   `TwiceSamplingConfig`). At the start of every `fit` the ledger refuses a
@@ -58,12 +61,8 @@ after it). With `log_dir`, the ledger also writes the scalar
 `epoch_epsilon` itself (step = epoch) with `tf.summary`.
 
 Steps are counted, for a tf_twice DP model, by its step keys
-(`tf_twice.keras.step_control`): one key is
-drawn per logical step and no restore or `fit` call rewinds the count, so
-every step that ran is charged at the ledger's next hook or reading (its
-`steps`, `epsilon`, `get_state`, `save`...), also a step whose
-`on_train_batch_end` never reached the ledger (an exception in an earlier
-callback) and steps of custom loops over `train_step` between `fit` calls.
+(`tf_twice.keras.step_control`), at the ledger's next hook or reading (its
+`steps`, `epsilon`, `get_state`, `save`...), so no step that ran is missed.
 Other models are charged in `on_train_batch_begin`, before their steps run
 (`steps_per_execution` steps each time; on Keras 3 a final execution that
 runs fewer is charged whole); their custom loops call `record_steps`.
@@ -88,6 +87,7 @@ from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting.budget import STATE_FORMAT
 from tf_twice.accounting.budget import STATE_VERSION
 from tf_twice.keras import guards
+from tf_twice.keras import ledger_binding
 from tf_twice.keras import step_control
 
 __all__ = ['PrivacyLedger', 'STATE_FORMAT', 'STATE_VERSION']
@@ -239,6 +239,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._charge_lock = threading.RLock()
         # The model whose weights a custom loop's reserve or record checked.
         self._loop_checked_model = None
+        # The model this ledger checked and bound to its run: each charge
+        # updates its `ledger_binding`.
+        self._bound_model = None
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
         # Whether this fit checked, before its first step, that the model's
@@ -378,8 +381,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             before = self._budget.steps
             self._sync()
             missing = count - (self._budget.steps - before)
-            if missing > 0:
-                self._budget.charge(missing)
+            self._charge_counted(missing)
             # After the charge: recording them is how steps another ledger
             # charged are charged here too.
             self._check_custom_loop_model()
@@ -419,7 +421,13 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             self._charge_drawn_keys()
 
     def _check_weights_covered(self) -> None:
-        step_control.check_weights_covered(self.model, self._budget.steps)
+        """Refuses a model whose weights hold steps this ledger does not
+        account; binds the model to this ledger's run if they do not."""
+        with self._charge_lock:
+            step_control.check_weights_covered(self.model, self._budget.steps)
+            ledger_binding.check_binding(self.model, self._budget)
+            ledger_binding.bind(self.model, self._budget)
+            self._bound_model = self.model
 
     def _charge_drawn_keys(self) -> bool:
         """Charges the steps a tf_twice DP model ran since the last charge
@@ -499,7 +507,11 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
     def _charge_counted(self, executed: int) -> None:
         if executed > 0:
-            self._budget.charge(executed)
+            with self._charge_lock:
+                self._budget.charge(executed)
+                if self._bound_model is not None and (
+                        self._bound_model is getattr(self, 'model', None)):
+                    ledger_binding.bind(self._bound_model, self._budget)
 
     def on_epoch_end(self, epoch, logs=None):
         self._charge_drawn_keys()
