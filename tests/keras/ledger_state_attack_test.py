@@ -29,7 +29,7 @@ from tf_twice.keras import PrivacyLedger
 WEAK, STRONG = 0.3, 5.0  # Noise multipliers.
 # Every kind of checkpoint that restores a DPModel's weights in place.
 CHECKPOINTS = [pytest.param('tf_checkpoint', marks=markers.needs_keras_2),
-               'weights_h5', 'tf_train_checkpoint']
+               'weights_h5', 'tf_train_checkpoint', 'keras']
 
 
 def _save(dp, kind, directory):
@@ -39,6 +39,9 @@ def _save(dp, kind, directory):
     elif kind == 'weights_h5':
         path = os.path.join(directory, 'model.weights.h5')
         dp.save_weights(path)
+    elif kind == 'keras':  # The whole model, reloaded compiled.
+        path = os.path.join(directory, 'model.keras')
+        dp.save(path)
     else:
         path = tf.train.Checkpoint(optimizer=dp.optimizer, model=dp).write(
             os.path.join(directory, 'train_ckpt'))
@@ -73,9 +76,12 @@ def _restored(kind, checkpoint, noise=1.0, fresh_optimizer=False):
     """A new model given the checkpoint (as a new process would); with
     `fresh_optimizer`, recompiled so that the optimizer's step count is 0
     (the binding is the only trace of the steps then)."""
-    dp = _dp_model(config=_config(noise_multiplier=noise))
-    dp(X[:1])
-    _load(dp, kind, checkpoint)
+    if kind == 'keras':
+        dp = tf.keras.models.load_model(checkpoint)
+    else:
+        dp = _dp_model(config=_config(noise_multiplier=noise))
+        dp(X[:1])
+        _load(dp, kind, checkpoint)
     if fresh_optimizer:
         dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
         assert _iterations(dp) == 0
