@@ -310,12 +310,15 @@ def audit_one_step(model: tf.keras.Model,
     optimizer = model.optimizer
     if callable(getattr(optimizer, 'build', None)):
         optimizer.build(variables)
+    # A DPModel's count of the steps its weights hold is restored with them.
+    taken = getattr(model, 'steps_taken', None)
+    counters = [] if taken is None else [taken]
     before = {id(v): v.numpy() for v in
-              variables + _optimizer_variables(optimizer)}
+              variables + _optimizer_variables(optimizer) + counters}
     keys = getattr(getattr(model, 'aggregator', None), 'keys', None)
     draws_before = None if keys is None else keys.draws
     tf.function(model.train_step)((x, y, tf.zeros([num_rows], tf.float32)))
-    state = variables + _optimizer_variables(optimizer)
+    state = variables + _optimizer_variables(optimizer) + counters
     # A variable the warm-up created starts every trial from its value
     # after the warm-up.
     initial = [before.get(id(v), v.numpy()) for v in state]

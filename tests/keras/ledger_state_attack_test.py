@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tests import markers
+from tests import tiny_models
 from tests.keras.privacy_audit_test import DELTA, X, Y, _config, _data
 from tests.keras.privacy_audit_test import _dp_model
 from tests.keras.privacy_audit_test import _iterations
@@ -178,7 +179,7 @@ def test_a_new_ledger_on_a_restored_checkpoint_is_refused(tmp_path, kind):
     _, checkpoint = _trained(tmp_path, 3, kind)
     dp = _restored(kind, checkpoint, fresh_optimizer=True)
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    with pytest.raises(ValueError, match=r'hold 3 DP steps.*only 0'):
+    with pytest.raises(ValueError, match=r'trained with 3 DP steps.*only 0'):
         dp.fit(_data(1, 2), callbacks=[ledger], verbose=0)
     assert ledger.steps == 0
     # Charging them (they ran under this event) is the one way on.
@@ -201,6 +202,7 @@ def test_a_checkpoint_resumes_with_its_state_file(tmp_path, kind):
     assert ledger.steps == 7 and _iterations(dp) == 5
     steps, digest = dp.ledger_binding.numpy()
     assert steps == 7 and digest == ledger.budget.history_digest()
+    assert int(dp.steps_taken.numpy()) == 5  # 3 + 2: the checkpoint's.
 
 
 def test_a_stale_copy_of_the_state_file_is_refused(tmp_path):
@@ -219,7 +221,7 @@ def test_a_stale_copy_of_the_state_file_is_refused(tmp_path):
     resumed = _restored('weights_h5', checkpoint, fresh_optimizer=True)
     ledger = PrivacyLedger.for_model(resumed, delta=DELTA, state_path=stale,
                                      verbose=0)
-    with pytest.raises(ValueError, match=r'hold 5 DP steps.*only 2.*stale'):
+    with pytest.raises(ValueError, match=r'trained with 5 DP steps.*only 2.*stale'):
         resumed.fit(_data(1, 4), callbacks=[ledger], verbose=0)
 
 
@@ -228,7 +230,7 @@ def test_a_custom_loop_on_a_restored_checkpoint_is_refused(tmp_path):
     dp = _restored('weights_h5', checkpoint, fresh_optimizer=True)
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     ledger.set_model(dp)
-    with pytest.raises(ValueError, match='hold 3 DP steps'):
+    with pytest.raises(ValueError, match='trained with 3 DP steps'):
         ledger.reserve_steps(1)
 
 
@@ -243,6 +245,132 @@ def test_a_public_starting_point_is_wrapped_anew(tmp_path):
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     dp.fit(_data(1, 2), callbacks=[ledger], verbose=0)
     assert ledger.steps == 1
+
+
+def _loop(ledger, dp, steps, seed):
+    for batch in _data(steps, seed):
+        ledger.reserve_steps(1)
+        dp.train_step(batch)
+        ledger.record_steps(1)
+
+
+@pytest.mark.parametrize('stale', [False, True])
+def test_loop_steps_on_restored_weights_do_not_fill_the_gap(tmp_path,
+                                                            stale):
+    # Steps run on the restored weights before the ledger's first check
+    # are not the weights' old steps: the weights count their own.
+    state, checkpoint = _trained(tmp_path, 3)
+    path = None
+    if stale:  # A copy of the file from before the third step.
+        path = str(tmp_path / 'stale.json')
+        PrivacyLedger(_config().dp_event(), DELTA, state_path=path,
+                      verbose=0).record_steps(2)
+    dp = _restored('weights_h5', checkpoint, fresh_optimizer=True)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
+                                     verbose=0)
+    ledger.set_model(dp)
+    for batch in _data(3, 2):
+        dp.train_step(batch)
+    with pytest.raises(ValueError, match=r'hold 6 DP steps'):
+        ledger.record_steps(3)
+
+
+def test_a_checkpoint_saved_before_the_ledgers_hook_holds_its_steps(
+        tmp_path):
+    # ModelCheckpoint listed before the ledger saves the weights of a step
+    # the ledger has not charged (nor bound) yet.
+    checkpoint = str(tmp_path / 'first.weights.h5')
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+
+    class SaveFirst(tf.keras.callbacks.Callback):
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                self.model.save_weights(checkpoint)
+
+    dp.fit(_data(2, 1), callbacks=[SaveFirst(), ledger], verbose=0)
+    restored = _restored('weights_h5', checkpoint, fresh_optimizer=True)
+    assert int(restored.steps_taken.numpy()) == 1
+    fresh = PrivacyLedger.for_model(restored, delta=DELTA, verbose=0)
+    with pytest.raises(ValueError, match=r'hold 1 DP steps.*only 0'):
+        restored.fit(_data(1, 2), callbacks=[fresh], verbose=0)
+
+
+def test_steps_of_a_fit_without_the_ledger_are_refused_on_resume(tmp_path):
+    state, _ = _trained(tmp_path, 3)
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=state,
+                                     verbose=0)
+    dp.fit(_data(2, 2), callbacks=[ledger], verbose=0)
+    dp.fit(_data(4, 3), verbose=0)  # The ledger forgotten.
+    checkpoint = _save(dp, 'weights_h5', str(tmp_path))
+    resumed = _restored('weights_h5', checkpoint, fresh_optimizer=True)
+    ledger = PrivacyLedger.for_model(resumed, delta=DELTA, state_path=state,
+                                     verbose=0)
+    with pytest.raises(ValueError, match=r'hold 6 DP steps.*only 5'):
+        resumed.fit(_data(1, 4), callbacks=[ledger], verbose=0)
+
+
+def test_weights_reloaded_during_a_custom_loop_are_refused(tmp_path):
+    _, other = _trained(tmp_path, 10)
+    dp = _dp_model()
+    dp(X[:1])
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    ledger.set_model(dp)
+    _loop(ledger, dp, 2, 2)
+    dp.load_weights(other)  # Another run's weights, under this ledger.
+    with pytest.raises(ValueError, match=r'trained with 10 DP steps.*only 3'):
+        _loop(ledger, dp, 1, 3)
+
+
+@markers.needs_tf_privacy_optimizers
+def test_a_replaced_ledger_read_later_does_not_rebind_the_weights(
+        tmp_path):
+    from tf_twice import optimizers  # pylint: disable=g-import-not-at-top
+
+    def optimizer(noise):
+        return optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            _config(noise_multiplier=noise), learning_rate=1.0)
+
+    first_path = str(tmp_path / 'phase1.json')
+    second_path = str(tmp_path / 'phase2.json')
+    dp = DPModel(tiny_models.linear(), physical_batch_size=8)
+    dp.compile(optimizer=optimizer(STRONG), loss=_loss())
+    first = PrivacyLedger.for_model(dp, delta=DELTA, state_path=first_path,
+                                    verbose=0)
+    dp.fit(_data(3, 1), callbacks=[first], verbose=0)
+    dp.compile(optimizer=optimizer(WEAK), loss=_loss())  # A new event.
+    second = PrivacyLedger.from_state(first.get_state(), event=dp.dp_event(),
+                                      state_path=second_path, verbose=0)
+    dp.fit(_data(2, 2), callbacks=[second], verbose=0)
+    bound = dp.ledger_binding.numpy().copy()
+    with pytest.raises(ValueError, match='another ledger has charged'):
+        _ = first.epsilon  # Would count the weak steps as strong ones.
+    np.testing.assert_array_equal(dp.ledger_binding.numpy(), bound)
+    checkpoint = _save(dp, 'weights_h5', str(tmp_path))
+    for path, accepted in [(second_path, True), (first_path, False)]:
+        resumed = DPModel(tiny_models.linear(), physical_batch_size=8)
+        resumed(X[:1])
+        resumed.load_weights(checkpoint)
+        resumed.compile(optimizer=optimizer(WEAK), loss=_loss())
+        ledger = PrivacyLedger.for_model(resumed, delta=DELTA,
+                                         state_path=path, verbose=0)
+        if accepted:
+            resumed.fit(_data(1, 3), callbacks=[ledger], verbose=0)
+            assert ledger.steps == 6
+        else:
+            with pytest.raises(ValueError, match='not the steps'):
+                resumed.fit(_data(1, 3), callbacks=[ledger], verbose=0)
+
+
+def test_weights_set_by_arithmetic_are_refused(tmp_path):
+    _, checkpoint = _trained(tmp_path, 3)
+    dp = _restored('weights_h5', checkpoint, fresh_optimizer=True)
+    dp.set_weights([w * 0.1 for w in dp.get_weights()])  # Counts to 0.
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    with pytest.raises(ValueError, match='not values a ledger wrote'):
+        dp.fit(_data(1, 2), callbacks=[ledger], verbose=0)
 
 
 def test_a_version_1_state_file_is_read_and_rewritten_as_2(tmp_path):

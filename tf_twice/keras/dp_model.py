@@ -119,9 +119,10 @@ class DPModel(tf.keras.Model):
         self.physical_batch_size = _validate.integer(
             'physical_batch_size', physical_batch_size, 1)
         self.inner_model = model
-        # Its one weight of its own: the ledger run that accounts the
-        # weights, saved and restored with them (``ledger_binding``).
-        self.ledger_binding = ledger_binding.add_binding_variable(self)
+        # Its own weights, saved and restored with the others: the DP steps
+        # the weights hold and the ledger history that accounts them.
+        self.steps_taken, self.ledger_binding = (
+            ledger_binding.add_variables(self))
         # Built when the wrapped model is (so that saving and loading see
         # its weights).
         self.built = model.built
@@ -439,6 +440,7 @@ class DPModel(tf.keras.Model):
             size, variables, physical_batch_size=self.physical_batch_size,
             step=self.optimizer.iterations, on_chunk=on_chunk)
         self._apply_update(update, variables)
+        ledger_binding.count_step(self, update)
         # Computed on the private batch without noise: not private.
         return {f'{NONPRIVATE_PREFIX}{name}': value
                 for name, value in self.get_metrics_result().items()}

@@ -422,7 +422,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
     def _check_weights_covered(self) -> None:
         """Refuses a model whose weights hold steps this ledger does not
-        account; binds the model to this ledger's run if they do not."""
+        account; binds the weights to this ledger's history if not."""
         with self._charge_lock:
             step_control.check_weights_covered(self.model, self._budget.steps)
             ledger_binding.check_binding(self.model, self._budget)
@@ -509,9 +509,13 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         if executed > 0:
             with self._charge_lock:
                 self._budget.charge(executed)
-                if self._bound_model is not None and (
-                        self._bound_model is getattr(self, 'model', None)):
-                    ledger_binding.bind(self._bound_model, self._budget)
+                model = self._bound_model
+                if model is not None and model is getattr(self, 'model',
+                                                          None):
+                    # Weights reloaded or charged by another ledger since
+                    # the last charge are refused, never rebound.
+                    ledger_binding.check_binding(model, self._budget)
+                    ledger_binding.bind(model, self._budget)
 
     def on_epoch_end(self, epoch, logs=None):
         self._charge_drawn_keys()
