@@ -420,6 +420,16 @@ def check_ledger_event(event: dp_accounting.DpEvent, model: Any) -> None:
             'the optimizer.')
 
 
+def runs_event(model: Any, event: dp_accounting.DpEvent) -> bool:
+    """Whether a tf_twice DP ``model``'s steps are now ``event`` (False
+    for a model without a private mechanism)."""
+    try:
+        check_ledger_event(event, model)
+    except ValueError:
+        return False
+    return True
+
+
 def fit_callbacks(callbacks: Any) -> list:
     """`fit`'s ``callbacks`` argument (None, a list, a nest or a
     ``CallbackList``) as a flat list of callbacks."""

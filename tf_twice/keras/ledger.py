@@ -192,10 +192,14 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                 'model must be a tf_twice.keras.DPModel; got '
                 f'{type(model).__name__}. For other models build the DpEvent '
                 'and call PrivacyLedger(event, delta, ...).')
-        return cls(dp_event(), delta, target_epsilon=target_epsilon,
-                   max_steps=max_steps, state_path=state_path,
-                   save_every_steps=save_every_steps, orders=orders,
-                   log_dir=log_dir, verbose=verbose)
+        ledger = cls(dp_event(), delta, target_epsilon=target_epsilon,
+                     max_steps=max_steps, state_path=state_path,
+                     save_every_steps=save_every_steps, orders=orders,
+                     log_dir=log_dir, verbose=verbose)
+        # A custom loop never calls set_model: its reserve_steps and
+        # record_steps check and count this model's steps too.
+        ledger.set_model(model)
+        return ledger
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], *,
@@ -355,6 +359,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         """
         count = _validate.integer('count', count, 1)
         with self._charge_lock:
+            self._check_loop_event()
             self._sync()
             self._check_custom_loop_model()
             if not self._budget.can_take(count):
@@ -378,6 +383,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         """
         count = _validate.integer('count', count, 1)
         with self._charge_lock:  # Another thread's steps are not ours.
+            self._check_loop_event()
             before = self._budget.steps
             self._sync()
             missing = count - (self._budget.steps - before)
@@ -385,6 +391,14 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             # After the charge: recording them is how steps another ledger
             # charged are charged here too.
             self._check_custom_loop_model()
+
+    def _check_loop_event(self) -> None:
+        """`fit` checks at its start that the model runs this ledger's
+        event; a custom loop's every reserve and record does it here (a
+        recompile may have changed the model's mechanism)."""
+        model = getattr(self, 'model', None)
+        if model is not None:
+            guards.check_ledger_event(self.event, model)
 
     def _check_custom_loop_model(self) -> None:
         """`fit` checks at its start that this ledger covers the weights;
@@ -437,6 +451,17 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             executed = self._drawn_steps.new_steps(self.model)
             if executed < 0:
                 return False
+            if executed and not guards.runs_event(self.model, self.event):
+                # E.g. read after a recompile with a new mechanism: not
+                # steps of this ledger's event, so not charged as them; the
+                # weights' own count then refuses this ledger for them.
+                _LOGGER.warning(
+                    'PrivacyLedger: %d step(s) of %s ran under another '
+                    'mechanism than this ledger\'s event; not charged here '
+                    '(the ledger of that mechanism charges them).', executed,
+                    self.model.name)
+                self._bound_model = None
+                return True
             self._charge_counted(executed)
             return True
 

@@ -94,14 +94,16 @@ def check_binding(model: tf.keras.Model,
             '(PrivacyLedger.from_state(ledger.get_state())); if the weights '
             'are a public starting point (their privacy accounted '
             'elsewhere), wrap model.inner_model in a new DPModel.')
+    missing = max(steps, taken) - budget.steps
     record = (' If they ran under this ledger\'s event and are accounted '
-              'nowhere else, charge them with ledger.record_steps({}).')
+              'nowhere else, charge them with '
+              f'ledger.record_steps({missing}).')
     if steps > budget.steps:
         raise ValueError(
             f'{name}\'s weights were trained with {steps} DP steps a ledger '
             f'charged, but this PrivacyLedger holds only {budget.steps}: a '
             'new ledger or a stale copy of the state file. ' + load
-            + record.format(steps - budget.steps))
+            + record)
     if steps and digest != budget.history_digest(steps):
         raise ValueError(
             f'The first {steps} steps this PrivacyLedger holds are not the '
@@ -114,7 +116,7 @@ def check_binding(model: tf.keras.Model,
             f'{name}\'s weights hold {taken} DP steps, but this PrivacyLedger '
             f'has charged only {budget.steps}: steps ran that no ledger '
             'charged here (a fit without it, a stale copy of the state '
-            'file). ' + load + record.format(taken - budget.steps))
+            'file). ' + load + record)
 
 
 def bind(model: tf.keras.Model, budget: budget_lib.PrivacyBudget) -> None:
