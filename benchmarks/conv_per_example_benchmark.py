@@ -3,8 +3,10 @@
 A DP step needs each example's kernel gradient of every conv layer; a
 non-private step needs only their sum (one ``Conv2DBackpropFilter``). On
 ResNet22 this is where the DP step loses most of its time. This benchmark
-times, on ResNet22's conv shapes, the summed gradient (the non-private
-floor) and three ways to get the per-example gradients:
+times, on ResNet22's conv shapes (or the reference CNN's, ``--model
+small_cnn``, with SAME padding here where the model has VALID), the summed
+gradient (the non-private floor) and three ways to get the per-example
+gradients:
 
   * ``vectorized_map``: what ``tf_twice.keras.per_example.gradients`` runs;
     TensorFlow vectorizes ``Conv2DBackpropFilter`` with a ``while_loop``
@@ -18,6 +20,7 @@ paired: every round times every construction once (rotated order), and a
 ratio is the median over rounds of the ratio within a round. Usage:
 
   python benchmarks/conv_per_example_benchmark.py [--batch-size 32]
+      [--model resnet22|small_cnn]
 """
 
 import argparse
@@ -27,9 +30,12 @@ import time
 import numpy as np
 import tensorflow as tf
 
-# ResNet22's 3x3 convs (tf_twice.models.resnet22): input side, channels in,
-# channels out; stride 1 (the stride-2 convs are one per stage).
-SHAPES = ((32, 3, 16), (32, 16, 16), (16, 32, 32), (8, 64, 64))
+# 3x3 convs: input side, channels in, channels out; stride 1. ResNet22's
+# (tf_twice.models.resnet22; the stride-2 convs are one per stage) and the
+# reference CNN's (tf_twice.models.small_cnn: 32x32x3 -> 16, then 15x15x16
+# -> 32 after pooling).
+SHAPES = {'resnet22': ((32, 3, 16), (32, 16, 16), (16, 32, 32), (8, 64, 64)),
+          'small_cnn': ((32, 3, 16), (15, 16, 32))}
 KERNEL = 3
 
 
@@ -79,13 +85,15 @@ def main() -> None:
     parser.add_argument('--batch-size', type=int, default=32)
     parser.add_argument('--rounds', type=int, default=5)
     parser.add_argument('--calls', type=int, default=10)
+    parser.add_argument('--model', choices=sorted(SHAPES),
+                        default='resnet22')
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print(f'batch {args.batch_size}; seconds per call relative to the summed '
-          'gradient (paired, median of rounds)')
+    print(f'{args.model}, batch {args.batch_size}; seconds per call relative '
+          'to the summed gradient (paired, median of rounds)')
     print('| input | summed ms | vectorized_map | depthwise | patches |')
     print('|---|---:|---:|---:|---:|')
-    for side, channels, filters in SHAPES:
+    for side, channels, filters in SHAPES[args.model]:
         x = tf.constant(rng.normal(size=(args.batch_size, side, side,
                                          channels)), tf.float32)
         dy = tf.constant(rng.normal(size=(args.batch_size, side, side,
