@@ -21,6 +21,7 @@ from tests import tiny_models
 from tests.keras.privacy_audit_test import DELTA, X, Y, _config, _data
 from tests.keras.privacy_audit_test import _dp_model
 from tests.keras.privacy_audit_test import _iterations
+from tests.keras.privacy_audit_test import _steps_on_disk
 from tf_twice import auditing
 from tf_twice.accounting import budget as budget_lib
 from tf_twice.accounting import ledger_state
@@ -87,6 +88,18 @@ def _restored(kind, checkpoint, noise=1.0, fresh_optimizer=False):
         dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
         assert _iterations(dp) == 0
     return dp
+
+
+def _refused_on_resume(checkpoint, state, match):
+    """A new process resumes `checkpoint` with the file `state`: refused
+    before any step. The optimizer is fresh (step count 0), so that only
+    the weights' own count and binding can tell."""
+    resumed = _restored('weights_h5', checkpoint, fresh_optimizer=True)
+    ledger = PrivacyLedger.for_model(resumed, delta=DELTA, state_path=state,
+                                     verbose=0)
+    with pytest.raises(ValueError, match=match):
+        resumed.fit(_data(1, 4), callbacks=[ledger], verbose=0)
+    assert ledger.steps == _steps_on_disk(state)
 
 
 def _edit_file(path, edit, recompute_digest):
@@ -217,12 +230,8 @@ def test_a_stale_copy_of_the_state_file_is_refused(tmp_path):
                                      verbose=0)
     dp.fit(_data(3, 3), callbacks=[ledger], verbose=0)
     checkpoint = _save(dp, 'weights_h5', str(tmp_path))
-    # The optimizer's count would tell too: a fresh one leaves the binding.
-    resumed = _restored('weights_h5', checkpoint, fresh_optimizer=True)
-    ledger = PrivacyLedger.for_model(resumed, delta=DELTA, state_path=stale,
-                                     verbose=0)
-    with pytest.raises(ValueError, match=r'trained with 5 DP steps.*only 2.*stale'):
-        resumed.fit(_data(1, 4), callbacks=[ledger], verbose=0)
+    _refused_on_resume(checkpoint, stale,
+                       r'trained with 5 DP steps.*only 2.*stale')
 
 
 def test_a_custom_loop_on_a_restored_checkpoint_is_refused(tmp_path):
@@ -304,11 +313,7 @@ def test_steps_of_a_fit_without_the_ledger_are_refused_on_resume(tmp_path):
     dp.fit(_data(2, 2), callbacks=[ledger], verbose=0)
     dp.fit(_data(4, 3), verbose=0)  # The ledger forgotten.
     checkpoint = _save(dp, 'weights_h5', str(tmp_path))
-    resumed = _restored('weights_h5', checkpoint, fresh_optimizer=True)
-    ledger = PrivacyLedger.for_model(resumed, delta=DELTA, state_path=state,
-                                     verbose=0)
-    with pytest.raises(ValueError, match=r'hold 6 DP steps.*only 5'):
-        resumed.fit(_data(1, 4), callbacks=[ledger], verbose=0)
+    _refused_on_resume(checkpoint, state, r'hold 6 DP steps.*only 5')
 
 
 def test_weights_reloaded_during_a_custom_loop_are_refused(tmp_path):
