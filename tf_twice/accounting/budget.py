@@ -308,12 +308,8 @@ class PrivacyBudget:
             if reserve:
                 keyed.append((self._key, reserve))
             digest = ledger_state.history_digest(keyed)
-            segments = []
-            for key, count in keyed:  # The reserve joins its event's run.
-                if segments and segments[-1][0] == key:
-                    segments[-1][1] += count
-                else:
-                    segments.append([key, count])
+            # The reserve joins its event's run.
+            segments = ledger_state.merge_segments(keyed)
             eps, order = self._epsilon_and_order_after(reserve)
             return {
                 'format': STATE_FORMAT,

@@ -42,7 +42,7 @@ from tf_twice import _validate
 
 __all__ = ['STATE_FORMAT', 'STATE_VERSION', 'check_state_path',
            'event_from_json', 'event_key', 'event_to_json', 'history_digest',
-           'parse_segments', 'read_state', 'word_to_hex']
+           'merge_segments', 'parse_segments', 'read_state', 'word_to_hex']
 
 STATE_FORMAT = 'tf_twice.PrivacyLedger'
 STATE_VERSION = 2
@@ -132,14 +132,14 @@ def _hex_to_word(name: str, text: Any) -> int:
     return word
 
 
-def history_digest(segments: Iterable[Tuple[str, int]],
-                   steps: Optional[int] = None) -> int:
-    """A word in [0, 2**63) that names the events of the first `steps` steps.
+def merge_segments(segments: Iterable[Tuple[str, int]],
+                   steps: Optional[int] = None) -> List[List[Any]]:
+    """[event_key, count] runs of the first `steps` steps (all if None) of
+    (event_key, count) pairs in order: consecutive pairs of one event are
+    joined and empty ones dropped.
 
-    `segments` are (event_key, count) pairs in order; all steps if `steps`
-    is None. Consecutive segments of one event and empty ones are merged
-    first, so a history and any continuation of it give the same digest
-    for their common first steps (SHA-256 of the merged list, truncated).
+    Raises:
+      ValueError: `steps` exceeds the pairs' steps.
     """
     merged: List[List[Any]] = []
     left = steps
@@ -154,9 +154,20 @@ def history_digest(segments: Iterable[Tuple[str, int]],
         else:
             merged.append([key, count])
     if left:
-        raise ValueError(f'history_digest: steps={steps} exceeds the '
-                         'history\'s steps.')
-    text = json.dumps(merged)
+        raise ValueError(f'steps={steps} exceeds the history\'s steps.')
+    return merged
+
+
+def history_digest(segments: Iterable[Tuple[str, int]],
+                   steps: Optional[int] = None) -> int:
+    """A word in [0, 2**63) that names the events of the first `steps` steps.
+
+    `segments` are (event_key, count) pairs in order; all steps if `steps`
+    is None. They are merged first (`merge_segments`), so a history and any
+    continuation of it give the same digest for their common first steps
+    (SHA-256 of the merged list, truncated).
+    """
+    text = json.dumps(merge_segments(segments, steps))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8],
                           'big') >> 1
 
