@@ -439,7 +439,6 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         account; binds the weights to this ledger's history if not."""
         with self._charge_lock:
             step_control.check_weights_covered(self.model, self._budget.steps)
-            ledger_binding.check_binding(self.model, self._budget)
             ledger_binding.bind(self.model, self._budget)
             self._bound_model = self.model
 
@@ -539,7 +538,6 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                                                           None):
                     # Weights reloaded or charged by another ledger since
                     # the last charge are refused, never rebound.
-                    ledger_binding.check_binding(model, self._budget)
                     ledger_binding.bind(model, self._budget)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -120,8 +120,14 @@ def check_binding(model: tf.keras.Model,
 
 
 def bind(model: tf.keras.Model, budget: budget_lib.PrivacyBudget) -> None:
-    """Records `budget`'s steps and their history in `model`'s weights
-    (after `check_binding`: a binding only moves forward)."""
+    """Records `budget`'s steps and their history in `model`'s weights,
+    after `check_binding` refused weights `budget` does not account: a
+    binding only moves forward.
+
+    Raises:
+      ValueError: from `check_binding`; nothing is recorded then.
+    """
+    check_binding(model, budget)
     if getattr(model, 'ledger_binding', None) is not None:
         steps = budget.steps  # The digest of exactly these steps.
         model.ledger_binding.assign(np.array(
