@@ -9,7 +9,6 @@ avenues that are closed too.
 """
 
 import json
-import os
 
 import dp_accounting
 import numpy as np
@@ -18,6 +17,7 @@ import tensorflow as tf
 
 from tests import markers
 from tests import tiny_models
+from tests.keras.artifacts_test import _load, _save
 from tests.keras.privacy_audit_test import DELTA, X, Y, _config, _data
 from tests.keras.privacy_audit_test import _dp_model
 from tests.keras.privacy_audit_test import _iterations
@@ -29,33 +29,10 @@ from tf_twice.keras import DPModel
 from tf_twice.keras import PrivacyLedger
 
 WEAK, STRONG = 0.3, 5.0  # Noise multipliers.
-# Every kind of checkpoint that restores a DPModel's weights in place.
+# Every kind of checkpoint that restores a DPModel's weights (artifacts_test
+# writes and reads them; 'keras' is reloaded whole by `_restored`).
 CHECKPOINTS = [pytest.param('tf_checkpoint', marks=markers.needs_keras_2),
-               'weights_h5', 'tf_train_checkpoint', 'keras']
-
-
-def _save(dp, kind, directory):
-    if kind == 'tf_checkpoint':
-        path = os.path.join(directory, 'ckpt')
-        dp.save_weights(path)
-    elif kind == 'weights_h5':
-        path = os.path.join(directory, 'model.weights.h5')
-        dp.save_weights(path)
-    elif kind == 'keras':  # The whole model, reloaded compiled.
-        path = os.path.join(directory, 'model.keras')
-        dp.save(path)
-    else:
-        path = tf.train.Checkpoint(optimizer=dp.optimizer, model=dp).write(
-            os.path.join(directory, 'train_ckpt'))
-    return path
-
-
-def _load(dp, kind, path):
-    if kind == 'tf_train_checkpoint':
-        tf.train.Checkpoint(optimizer=dp.optimizer, model=dp).read(
-            path).assert_existing_objects_matched()
-    else:
-        dp.load_weights(path)
+               'weights_h5', 'optimizer_checkpoint', 'keras']
 
 
 def _loss():
