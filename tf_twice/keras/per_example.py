@@ -9,7 +9,8 @@ rows, 0 * NaN = NaN). This module is the one place that
 * adds the model's regularisation losses to each example (`losses`),
 * runs one forward and backward pass per example under
   `tf.vectorized_map` (`gradients`, O(B) rather than the O(B^2) of
-  `tape.jacobian`),
+  `tape.jacobian`; conv kernel gradients vectorized by
+  `vectorized_backprop`),
 * reads per-example weights in [0, 1] (`example_weights`,
   `check_weights`), and
 * cuts a logical batch into physical chunks (`chunk_of`,
@@ -25,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice import config as config_lib
+from tf_twice.keras import vectorized_backprop
 
 __all__ = ['PerExample', 'build', 'check_weights',
            'default_physical_batch_size', 'example_weights', 'gradients',
@@ -136,9 +138,10 @@ def gradients(model: tf.keras.Model, loss: LossFn, x: Any, y: tf.Tensor, *,
             prediction = model(xi, training=training)
             example_loss = losses(model, loss, tf.expand_dims(yi, 0),
                                   prediction)[0]
-        grads = tape.gradient(
-            example_loss, variables,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        with vectorized_backprop.faster_conversions():
+            grads = tape.gradient(
+                example_loss, variables,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO)
         grads = [tf.convert_to_tensor(g) for g in grads]
         prediction = tf.nest.map_structure(lambda t: t[0], prediction)
         return grads, example_loss, prediction

@@ -1,0 +1,183 @@
+"""The conversions of conv kernel and max-pool gradients for vectorized_map.
+
+Each example's gradients from `per_example.gradients` (which attaches
+`vectorized_backprop`'s converters under `tf.vectorized_map`) must equal the
+ones computed for that example alone, eagerly, by TensorFlow's own
+gradients, for every padding, stride, dilation and kernel or pool shape a
+Keras Conv2D, Conv1D or MaxPool2D takes; the converter must really be the
+one that ran; and a NaN in one example must not reach another's gradient.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tensorflow.python.ops.parallel_for import pfor as pfor_lib
+
+from tf_twice.keras import vectorized_backprop
+from tf_twice.keras import per_example
+
+LOSS = per_example.loss_fn(
+    tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+EXAMPLES = 5
+
+
+def _model(conv, input_shape):
+    inputs = tf.keras.Input(shape=input_shape)
+    x = conv(inputs)
+    x = tf.keras.layers.Flatten()(tf.keras.layers.Activation('tanh')(x))
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(3)(x))
+
+
+def _data(input_shape, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(EXAMPLES,) + input_shape).astype(np.float32)
+    return x, rng.integers(0, 3, EXAMPLES).astype(np.int32)
+
+
+def _one_at_a_time(model, x, y):
+    """Each example's gradients from its own eager backward pass (no pfor)."""
+    rows = []
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            loss = LOSS(tf.constant(y[i:i + 1]),
+                        model(x[i:i + 1], training=True))[0]
+        rows.append([g.numpy() for g in
+                     tape.gradient(loss, model.trainable_variables)])
+    return [np.stack(column) for column in zip(*rows)]
+
+
+def _count_conversions(monkeypatch, op_type='Conv2DBackpropFilter'):
+    """Lists 'ours' / 'stock' for each conversion of ``op_type`` by this
+    module's converter and by the one TensorFlow registers (which ours hands
+    some ops to)."""
+    calls = []
+
+    def counted(name, convert):
+        def wrapped(pfor_input):
+            calls.append(name)
+            return convert(pfor_input)
+        return wrapped
+
+    for name, registry in (('ours', vectorized_backprop.CONVERTERS),
+                           ('stock', pfor_lib._pfor_converter_registry)):
+        monkeypatch.setitem(registry, op_type,
+                            counted(name, registry[op_type]))
+    return calls
+
+
+CONV2D = [
+    dict(kernel_size=3, padding='valid'),
+    dict(kernel_size=3, padding='same'),
+    dict(kernel_size=(2, 3), padding='same', strides=2),
+    dict(kernel_size=3, padding='valid', strides=(2, 1)),
+    dict(kernel_size=3, padding='same', dilation_rate=2),
+    dict(kernel_size=(3, 2), padding='valid', dilation_rate=(1, 2)),
+    dict(kernel_size=1, padding='valid'),
+    dict(kernel_size=4, padding='same', strides=3),
+]
+
+
+@pytest.mark.parametrize('options', CONV2D, ids=str)
+def test_conv2d_kernel_gradients_equal_each_example_alone(monkeypatch,
+                                                          options):
+    shape = (9, 8, 3)
+    model = _model(tf.keras.layers.Conv2D(4, **options), shape)
+    x, y = _data(shape)
+    calls = _count_conversions(monkeypatch)
+    got = tf.function(lambda x, y: per_example.gradients(
+        model, LOSS, x, y).gradients)(x, y)
+    assert calls == ['ours']
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize('options', [dict(kernel_size=3, padding='causal'),
+                                     dict(kernel_size=2, strides=2)], ids=str)
+def test_conv1d_kernel_gradients_equal_each_example_alone(monkeypatch,
+                                                          options):
+    shape = (11, 2)
+    model = _model(tf.keras.layers.Conv1D(3, **options), shape)
+    x, y = _data(shape)
+    calls = _count_conversions(monkeypatch)
+    got = per_example.gradients(model, LOSS, x, y).gradients
+    assert calls == ['ours']
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
+MAX_POOL = [
+    dict(pool_size=2),
+    dict(pool_size=3, strides=2, padding='same'),
+    dict(pool_size=(2, 3), strides=1, padding='valid'),
+]
+
+
+@pytest.mark.parametrize('options', MAX_POOL, ids=str)
+def test_max_pool_gradients_equal_each_example_alone(monkeypatch, options):
+    shape = (9, 8, 2)
+    model = _model(tf.keras.Sequential([
+        tf.keras.layers.Conv2D(3, 3, padding='same'),
+        tf.keras.layers.MaxPool2D(**options)]), shape)
+    x, y = _data(shape)
+    calls = _count_conversions(monkeypatch, 'MaxPoolGrad')
+    got = per_example.gradients(model, LOSS, x, y).gradients
+    assert calls == ['ours']
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize('value', [np.nan, np.inf])
+def test_a_non_finite_example_leaves_the_others_exact(value):
+    shape = (8, 8, 2)
+    model = tf.keras.Sequential([
+        tf.keras.Input(shape=shape),
+        tf.keras.layers.Conv2D(3, 3, padding='same'),
+        tf.keras.layers.MaxPool2D(2),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(3)])
+    x, y = _data(shape, seed=1)
+    want = _one_at_a_time(model, x, y)
+    x[2, 3, 3, 1] = value
+    got = per_example.gradients(model, LOSS, x, y).gradients
+    # The bad value reaches its own example's gradients, so a conversion
+    # that mixed examples would spread it (inf: through the pool's output,
+    # whose weighted sum in the Dense layer is NaN).
+    assert np.isnan(got[0][2].numpy()).any()
+    others = [0, 1, 3, 4]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy()[others], w[others],
+                                   rtol=2e-5, atol=2e-6)
+
+
+def test_spatial_size_known_only_at_run_time_falls_back(monkeypatch):
+    model = tf.keras.Sequential([
+        tf.keras.Input(shape=(None, None, 1)),
+        tf.keras.layers.Conv2D(2, 3),
+        tf.keras.layers.GlobalAveragePooling2D(),
+        tf.keras.layers.Dense(3)])
+    x, y = _data((6, 6, 1))
+    calls = _count_conversions(monkeypatch)
+    run = tf.function(lambda x, y: per_example.gradients(
+        model, LOSS, x, y).gradients, input_signature=[
+            tf.TensorSpec([None, None, None, 1]), tf.TensorSpec([None],
+                                                               tf.int32)])
+    got = run(x, y)
+    assert calls == ['ours', 'stock']  # Asked, handed to TensorFlow.
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
+def test_vectorized_map_outside_tf_twice_keeps_tensorflows_converter(
+        monkeypatch):
+    calls = _count_conversions(monkeypatch)
+    x = tf.random.normal([3, 6, 6, 2])
+    kernel = tf.Variable(tf.random.normal([3, 3, 2, 4]))
+
+    def one(xi):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.nn.conv2d(xi[None], kernel, 1, 'SAME') ** 2)
+        return tape.gradient(loss, kernel)
+
+    assert tf.vectorized_map(one, x).shape == [3, 3, 3, 2, 4]
+    assert calls == ['stock']

@@ -1,0 +1,144 @@
+"""Faster `tf.vectorized_map` conversions of two backward ops.
+
+`per_example.gradients` runs each example's backward pass under
+`tf.vectorized_map`, which converts every op of one example's pass into an
+op over all examples. Two of TensorFlow's conversions are slow on the
+reference CNN (`benchmarks/conv_per_example_benchmark.py`, per-op traces):
+
+* ``Conv2DBackpropFilter`` (a conv kernel's gradient) with a per-example
+  input becomes a ``while_loop`` of batch-1 ops over the examples
+  (TensorFlow logs "Conv2DBackpropFilter uses a while_loop. Fix that!").
+  Here it becomes kh * kw batched matrix products: the gradient of kernel
+  tap (i, j) is the example's padded input shifted by the tap, times its
+  output gradient, summed over output positions,
+
+      dW[e, i, j] = sum_{h, w} x_e[h*s + i*d, w*s + j*d, :]^T dy_e[h, w, :]
+
+  (strides s, dilations d).
+* ``MaxPoolGrad`` reshapes its inputs, which hides the forward ``MaxPool``
+  from oneDNN's graph rewrite, so the slow reference kernel runs (10x the
+  batched pass's on the reference CNN). Here the flattened input is pooled
+  again and the gradient taken of that pool, which the rewrite recognises.
+
+Each example's result reads that example's tensors alone, as TensorFlow's
+conversions do: per-example gradients stay isolated (SPEC section 11), a NaN
+in one example cannot reach another's gradient.
+
+The converters are attached to the ops of one per-example backward pass
+(`faster_conversions`), not registered globally, so code outside tf_twice
+keeps TensorFlow's conversions. Where one does not apply (NCHW, a shape
+known only at run time, explicit padding of a pool), it hands the op to
+TensorFlow's converter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops.parallel_for import pfor as pfor_lib
+
+__all__ = ['faster_conversions']
+
+
+@contextlib.contextmanager
+def faster_conversions() -> Iterator[None]:
+    """Gives the ops of `CONVERTERS`' types created inside the block this
+    module's conversion (read by `tf.vectorized_map` when it converts them).
+    Outside a graph (eager) it does nothing."""
+    if tf.executing_eagerly():
+        yield
+        return
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    yield
+    for op in graph.get_operations()[before:]:
+        if op.type in CONVERTERS:
+            # pfor reads this attribute before its registry.
+            op.pfor_converter = CONVERTERS[op.type]
+
+
+def _stock(pfor_input):
+    """TensorFlow's own conversion of the op."""
+    registry = pfor_lib._pfor_converter_registry  # pylint: disable=protected-access
+    return registry[pfor_input.op_type](pfor_input)
+
+
+def _static_ints(values: Sequence) -> Optional[List[int]]:
+    return None if any(v is None for v in values) else [int(v) for v in values]
+
+
+def _convert_conv2d_backprop_filter(pfor_input):
+    pfor_input.stack_inputs(stack_indices=[2])
+    inputs, inputs_stacked, _ = pfor_input.input(0)
+    grads = pfor_input.stacked_input(2)
+    kernel_size = tf.get_static_value(pfor_input.unstacked_input(1))
+    # Stacked shapes: [examples, batch, height, width, channels].
+    in_shape = _static_ints(inputs.shape.as_list()[2:4])
+    out_shape = _static_ints(grads.shape.as_list()[2:4])
+    if (not inputs_stacked or pfor_input.get_attr('data_format') != b'NHWC'
+            or kernel_size is None or in_shape is None or out_shape is None):
+        return _stock(pfor_input)
+    kh, kw, channels, filters = (int(k) for k in kernel_size)
+    (out_h, out_w) = out_shape
+    _, sh, sw, _ = pfor_input.get_attr('strides')
+    _, dh, dw, _ = pfor_input.get_attr('dilations')
+    pads = _conv_paddings(pfor_input, in_shape, out_shape, (kh, kw),
+                          (sh, sw), (dh, dw))
+    x = tf.pad(inputs, [[0, 0], [0, 0], pads[0], pads[1], [0, 0]])
+    examples = tf.shape(x)[0]
+    dy = tf.reshape(grads, [examples, -1, filters])
+    taps = []
+    for i in range(kh):
+        for j in range(kw):
+            window = x[:, :, i * dh:i * dh + (out_h - 1) * sh + 1:sh,
+                       j * dw:j * dw + (out_w - 1) * sw + 1:sw, :]
+            taps.append(tf.matmul(tf.reshape(window, [examples, -1, channels]),
+                                  dy, transpose_a=True))
+    kernel = tf.reshape(tf.stack(taps, axis=1),
+                        [examples, kh, kw, channels, filters])
+    return pfor_lib.wrap(kernel, True)
+
+
+def _conv_paddings(pfor_input, size, out_size, kernel, strides, dilations):
+    """[[top, bottom], [left, right]] as the convolution padded its input."""
+    padding = pfor_input.get_attr('padding')
+    if padding == b'EXPLICIT':
+        explicit = list(pfor_input.get_attr('explicit_paddings'))
+        return [explicit[2:4], explicit[4:6]]
+    if padding == b'VALID':
+        return [[0, 0], [0, 0]]
+    pads = []
+    for n, out, k, s, d in zip(size, out_size, kernel, strides, dilations):
+        total = max((out - 1) * s + (k - 1) * d + 1 - n, 0)
+        pads.append([total // 2, total - total // 2])
+    return pads
+
+
+def _convert_max_pool_grad(pfor_input):
+    padding = pfor_input.get_attr('padding')
+    if padding == b'EXPLICIT':
+        return _stock(pfor_input)
+    pfor_input.stack_inputs()
+    inputs = pfor_input.stacked_input(0)
+    grads = pfor_input.stacked_input(2)
+
+    def flat(t):  # [examples, batch, ...] -> [examples * batch, ...]
+        return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], axis=0))
+
+    options = dict(ksize=pfor_input.get_attr('ksize'),
+                   strides=pfor_input.get_attr('strides'),
+                   padding=padding.decode(),
+                   data_format=pfor_input.get_attr('data_format').decode())
+    x = flat(inputs)
+    pooled = tf.raw_ops.MaxPool(input=x, **options)
+    out = tf.raw_ops.MaxPoolGrad(orig_input=x, orig_output=pooled,
+                                 grad=flat(grads), **options)
+    return pfor_lib.wrap(tf.reshape(out, tf.shape(inputs)), True)
+
+
+CONVERTERS = {
+    'Conv2DBackpropFilter': _convert_conv2d_backprop_filter,
+    'MaxPoolGrad': _convert_max_pool_grad,
+}
