@@ -49,14 +49,17 @@ def check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 def squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     """Per-example squared l2 norm [B] over all tensors of one block."""
-    # A row-wise dot product reads g once; tf.square would first write a
-    # second [B, d] copy (measured: half the CPU time for [64, 79530]).
+    # One multi-threaded reduction pass over g, squared: tf.square and a sum
+    # would first write a second [B, d] copy, and einsum('bi,bi->b') runs as
+    # B one-by-one matrix products (measured on the reference CNN's
+    # gradients, [64, 79530] in 8 tensors: 1.4 ms CPU against 3.5 and 12.4).
     squares = []
     for g in grads:
         d = _num_elements(g.shape[1:])
         if d > 0:
             flat = tf.reshape(g, [-1, d])
-            squares.append(tf.einsum('bi,bi->b', flat, flat))
+            squares.append(tf.square(tf.math.reduce_euclidean_norm(
+                flat, axis=1)))
     if not squares:  # Only empty tensors: every example has norm 0.
         return tf.zeros([tf.shape(grads[0])[0]], grads[0].dtype)
     return tf.add_n(squares)
