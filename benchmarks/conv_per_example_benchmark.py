@@ -1,16 +1,19 @@
-"""Per-example conv kernel gradients: three constructions against the batch's.
+"""Per-example conv kernel gradients: four constructions against the batch's.
 
 A DP step needs each example's kernel gradient of every conv layer; a
 non-private step needs only their sum (one ``Conv2DBackpropFilter``). On
 ResNet22 this is where the DP step loses most of its time. This benchmark
 times, on ResNet22's conv shapes (or the reference CNN's, ``--model
 small_cnn``, with SAME padding here where the model has VALID), the summed
-gradient (the non-private floor) and three ways to get the per-example
+gradient (the non-private floor) and four ways to get the per-example
 gradients:
 
-  * ``vectorized_map``: what ``tf_twice.keras.per_example.gradients`` runs;
-    TensorFlow vectorizes ``Conv2DBackpropFilter`` with a ``while_loop``
-    over the examples (the "uses a while_loop" warning);
+  * ``tf_twice``: what ``tf_twice.keras.per_example.gradients`` runs,
+    ``tf.vectorized_map`` with ``tf_twice.keras.vectorized_backprop``'s
+    conversion (one batched matrix product per kernel tap);
+  * ``vectorized_map``: ``tf.vectorized_map`` as TensorFlow converts
+    ``Conv2DBackpropFilter``, a ``while_loop`` over the examples (the "uses
+    a while_loop" warning);
   * ``depthwise``: each example's gradient as one depthwise convolution of
     the input (channels and batch swapped) with the output gradient;
   * ``patches``: ``extract_patches`` then one ``einsum`` per batch.
@@ -29,6 +32,8 @@ import time
 
 import numpy as np
 import tensorflow as tf
+
+from tf_twice.keras import vectorized_backprop
 
 # 3x3 convs: input side, channels in, channels out; stride 1. ResNet22's
 # (tf_twice.models.resnet22; the stride-2 convs are one per stage) and the
@@ -50,13 +55,20 @@ def constructions(x: tf.Tensor, dy: tf.Tensor):
             input=x, filter_sizes=sizes, out_backprop=dy,
             strides=[1, 1, 1, 1], padding='SAME')
 
+    def one(pair):
+        xi, dyi = pair
+        return tf.raw_ops.Conv2DBackpropFilter(
+            input=xi[None], filter_sizes=sizes, out_backprop=dyi[None],
+            strides=[1, 1, 1, 1], padding='SAME')
+
     def vectorized_map():
-        def one(pair):
-            xi, dyi = pair
-            return tf.raw_ops.Conv2DBackpropFilter(
-                input=xi[None], filter_sizes=sizes, out_backprop=dyi[None],
-                strides=[1, 1, 1, 1], padding='SAME')
         return tf.vectorized_map(one, (x, dy))
+
+    def tf_twice():
+        def converted(pair):
+            with vectorized_backprop.faster_conversions():
+                return one(pair)
+        return tf.vectorized_map(converted, (x, dy))
 
     def depthwise():
         pad = KERNEL // 2
@@ -76,8 +88,9 @@ def constructions(x: tf.Tensor, dy: tf.Tensor):
                           [batch] + sizes)
 
     return {name: tf.function(fn) for name, fn in (
-        ('summed', summed), ('vectorized_map', vectorized_map),
-        ('depthwise', depthwise), ('patches', patches))}
+        ('summed', summed), ('tf_twice', tf_twice),
+        ('vectorized_map', vectorized_map), ('depthwise', depthwise),
+        ('patches', patches))}
 
 
 def main() -> None:
@@ -91,8 +104,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f'{args.model}, batch {args.batch_size}; seconds per call relative '
           'to the summed gradient (paired, median of rounds)')
-    print('| input | summed ms | vectorized_map | depthwise | patches |')
-    print('|---|---:|---:|---:|---:|')
+    print('| input | summed ms | tf_twice | vectorized_map | depthwise | '
+          'patches |')
+    print('|---|---:|---:|---:|---:|---:|')
     for side, channels, filters in SHAPES[args.model]:
         x = tf.constant(rng.normal(size=(args.batch_size, side, side,
                                          channels)), tf.float32)
@@ -102,7 +116,7 @@ def main() -> None:
         reference = fns['vectorized_map']().numpy()
         np.testing.assert_allclose(reference.sum(0), fns['summed']().numpy(),
                                    rtol=1e-3, atol=1e-2)
-        for name in ('depthwise', 'patches'):
+        for name in ('tf_twice', 'depthwise', 'patches'):
             np.testing.assert_allclose(fns[name]().numpy(), reference,
                                        rtol=1e-3, atol=1e-2, err_msg=name)
         names = list(fns)
@@ -119,7 +133,7 @@ def main() -> None:
                  for name in names}
         print(f'| {side}x{side}x{channels} -> {filters} | '
               f'{statistics.median(seconds["summed"]) * 1e3:.2f} | '
-              f'{ratio["vectorized_map"]:.2f}x | {ratio["depthwise"]:.2f}x | '
+              f'{ratio["tf_twice"]:.2f}x | {ratio["vectorized_map"]:.2f}x | {ratio["depthwise"]:.2f}x | '
               f'{ratio["patches"]:.2f}x |')
 
 
