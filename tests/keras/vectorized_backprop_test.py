@@ -168,6 +168,27 @@ def test_spatial_size_known_only_at_run_time_falls_back(monkeypatch):
         np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
 
 
+class _GroupedConv(tf.keras.layers.Layer):
+    """Two groups of two channels: the kernel sees half the input's."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(name='kernel', shape=(3, 3, 2, 4))
+
+    def call(self, x):
+        return tf.nn.conv2d(x, self.kernel, 1, 'SAME')
+
+
+def test_a_grouped_conv_is_handed_to_tensorflow(monkeypatch):
+    shape = (6, 6, 4)
+    model = _model(_GroupedConv(), shape)
+    x, y = _data(shape)
+    calls = _count_conversions(monkeypatch)
+    got = per_example.gradients(model, LOSS, x, y).gradients
+    assert calls == ['ours', 'stock']
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
 def test_vectorized_map_outside_tf_twice_keeps_tensorflows_converter(
         monkeypatch):
     calls = _count_conversions(monkeypatch)

@@ -10,15 +10,17 @@ reference CNN (`benchmarks/conv_per_example_benchmark.py`, per-op traces):
   (TensorFlow logs "Conv2DBackpropFilter uses a while_loop. Fix that!").
   Here it becomes kh * kw batched matrix products: the gradient of kernel
   tap (i, j) is the example's padded input shifted by the tap, times its
-  output gradient, summed over output positions,
+  output gradient, summed over output positions (and over the rows of the
+  example's own batch, e.g. the time steps of a ``TimeDistributed`` conv),
 
       dW[e, i, j] = sum_{h, w} x_e[h*s + i*d, w*s + j*d, :]^T dy_e[h, w, :]
 
-  (strides s, dilations d).
-* ``MaxPoolGrad`` reshapes its inputs, which hides the forward ``MaxPool``
-  from oneDNN's graph rewrite, so the slow reference kernel runs (10x the
-  batched pass's on the reference CNN). Here the flattened input is pooled
-  again and the gradient taken of that pool, which the rewrite recognises.
+  (strides s, dilations d), accumulated in float32 for 16-bit inputs.
+* ``MaxPoolGrad``: TensorFlow's conversion reshapes its inputs, which hides
+  the forward ``MaxPool`` from oneDNN's graph rewrite, so the slow
+  reference kernel runs (10x the batched pass's on the reference CNN). Here
+  the flattened input is pooled again and the gradient taken of that pool,
+  which the rewrite recognises.
 
 Each example's result reads that example's tensors alone, as TensorFlow's
 conversions do: per-example gradients stay isolated (SPEC section 11), a NaN
@@ -26,8 +28,9 @@ in one example cannot reach another's gradient.
 
 The converters are attached to the ops of one per-example backward pass
 (`faster_conversions`), not registered globally, so code outside tf_twice
-keeps TensorFlow's conversions. Where one does not apply (NCHW, a shape
-known only at run time, explicit padding of a pool), it hands the op to
+keeps TensorFlow's conversions. Where one does not apply (a conv input
+shared by all examples, NCHW, a grouped conv, a shape or kernel size known
+only at run time, explicit padding of a pool), it hands the op to
 TensorFlow's converter.
 """
 
@@ -78,7 +81,9 @@ def _convert_conv2d_backprop_filter(pfor_input):
     in_shape = _static_ints(inputs.shape.as_list()[2:4])
     out_shape = _static_ints(grads.shape.as_list()[2:4])
     if (not inputs_stacked or pfor_input.get_attr('data_format') != b'NHWC'
-            or kernel_size is None or in_shape is None or out_shape is None):
+            or kernel_size is None or in_shape is None or out_shape is None
+            # A grouped conv: the kernel sees channels / groups inputs.
+            or inputs.shape[-1] != kernel_size[2]):
         return _stock(pfor_input)
     kh, kw, channels, filters = (int(k) for k in kernel_size)
     (out_h, out_w) = out_shape
@@ -89,8 +94,9 @@ def _convert_conv2d_backprop_filter(pfor_input):
     # Row h * s + i * d of the padded input is row h + (i * d) // s of
     # phase (i * d) % s once rows are grouped s at a time, so every tap reads
     # a unit-stride slice (a strided one copies ~10x slower on a CPU). The
-    # padded input is cut or zero-extended to s * (out + (k - 1) * d // s)
-    # rows; the rows added are never read.
+    # input is zero-padded as the conv pads it, then cut or zero-extended
+    # further to s * (out + (k - 1) * d // s) rows; rows past the conv's own
+    # padding are never read.
     lengths = [s * (out + (k - 1) * d // s) for out, k, s, d in
                ((out_h, kh, sh, dh), (out_w, kw, sw, dw))]
     x = tf.pad(inputs, [[0, 0], [0, 0]] + [
@@ -101,6 +107,8 @@ def _convert_conv2d_backprop_filter(pfor_input):
     x = tf.reshape(x, [examples, -1, lengths[0] // sh, sh, lengths[1] // sw,
                        sw, channels])
     dy = tf.reshape(grads, [examples, -1, filters])
+    if dy.dtype in (tf.float16, tf.bfloat16):  # Sums of many products.
+        x, dy = tf.cast(x, tf.float32), tf.cast(dy, tf.float32)
     taps = []
     for i in range(kh):
         for j in range(kw):
@@ -110,7 +118,7 @@ def _convert_conv2d_backprop_filter(pfor_input):
                                   dy, transpose_a=True))
     kernel = tf.reshape(tf.stack(taps, axis=1),
                         [examples, kh, kw, channels, filters])
-    return pfor_lib.wrap(kernel, True)
+    return pfor_lib.wrap(tf.cast(kernel, grads.dtype), True)
 
 
 def _conv_paddings(pfor_input, size, out_size, kernel, strides, dilations):
