@@ -9,7 +9,7 @@ rows, 0 * NaN = NaN). This module is the one place that
 * adds the model's regularisation losses to each example (`losses`),
 * runs one forward and backward pass per example under
   `tf.vectorized_map` (`gradients`, O(B) rather than the O(B^2) of
-  `tape.jacobian`; conv kernel gradients vectorized by
+  `tape.jacobian`; conv kernel and max-pool gradients converted by
   `vectorized_backprop`),
 * reads per-example weights in [0, 1] (`example_weights`,
   `check_weights`), and
