@@ -94,30 +94,30 @@ def _clip_and_mask(
     flat: tf.Tensor,
     scale: tf.Tensor,
     mask: Optional[tf.Tensor],
-    key: Optional[tf.Tensor],
-    offset: tf.Tensor,
-    stream: int,
+    mask_words: Optional[tf.Tensor],
     coordinate_sampling_rate: float,
     linf_norm_clip: Optional[float],
 ) -> tf.Tensor:
     """The elementwise part on one [B, d] tensor: mask * clip_inf(scale * g).
 
-    Without l-infinity clipping the scale is left to the caller's
-    matrix-vector product (masking commutes with a per-row scale).
+    The mask is ``mask`` if given, else drawn from ``mask_words``
+    (`randomness.row_mask_words`), else none. Without l-infinity clipping
+    the scale is left to the caller's matrix-vector product (masking
+    commutes with a per-row scale).
     """
     if linf_norm_clip is not None:
         c_inf = tf.constant(linf_norm_clip, flat.dtype)
         flat = tf.clip_by_value(flat * scale[:, None], -c_inf, c_inf)
-    if mask is None and coordinate_sampling_rate < 1:
-        mask = randomness.row_masks(key, stream, tf.shape(flat)[0], offset,
-                                    flat.shape[1], coordinate_sampling_rate)
+    if mask is None and mask_words is not None:
+        mask = randomness.masks_from_words(mask_words, flat.shape[1],
+                                           coordinate_sampling_rate)
     if mask is not None:
         flat = tf.where(mask, flat, tf.zeros_like(flat))
     return flat
 
 
-# One fused XLA kernel for mask generation, clipping and selection: on CPU it
-# avoids materialising the random bits and several [B, d] intermediates.
+# One fused XLA kernel for unpacking the mask bits, clipping and selection: on
+# CPU it avoids materialising the masks and several [B, d] intermediates.
 _clip_and_mask_fused = tf.function(_clip_and_mask, jit_compile=True)
 
 
@@ -154,8 +154,12 @@ def sum_block(
             coef = weights
         if linf_norm_clip is not None or coordinate_sampling_rate < 1 or (
                 mask is not None):
-            flat = elementwise(flat, scale, mask, key, offset,
-                               randomness.mask_stream(block, k),
+            words = None
+            if mask is None and coordinate_sampling_rate < 1:
+                words = randomness.row_mask_words(
+                    key, randomness.mask_stream(block, k), tf.shape(flat)[0],
+                    offset, d, coordinate_sampling_rate)
+            flat = elementwise(flat, scale, mask, words,
                                coordinate_sampling_rate, linf_norm_clip)
         if coef is None:
             total = tf.reduce_sum(flat, axis=0)
