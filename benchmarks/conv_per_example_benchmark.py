@@ -35,6 +35,8 @@ import tensorflow as tf
 
 from tf_twice.keras import vectorized_backprop
 
+import paired_rounds  # Beside this script.
+
 # 3x3 convs: input side, channels in, channels out; stride 1. ResNet22's
 # (tf_twice.models.resnet22; the stride-2 convs are one per stage) and the
 # reference CNN's (tf_twice.models.small_cnn: 32x32x3 -> 16, then 15x15x16
@@ -119,22 +121,13 @@ def main() -> None:
         for name in ('tf_twice', 'depthwise', 'patches'):
             np.testing.assert_allclose(fns[name]().numpy(), reference,
                                        rtol=1e-3, atol=1e-2, err_msg=name)
-        names = list(fns)
-        seconds = {name: [] for name in names}
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    fns[name]()
-                seconds[name].append((time.perf_counter() - start)
-                                     / args.calls)
-        ratio = {name: statistics.median(
-            s / b for s, b in zip(seconds[name], seconds['summed']))
-                 for name in names}
+        seconds = paired_rounds.time_rounds(
+            fns, rounds=args.rounds, calls=args.calls, clock=time.perf_counter)
+        ratios = ' | '.join(
+            f'{paired_rounds.median_ratio(seconds, name, "summed"):.2f}x'
+            for name in list(fns)[1:])  # The header's columns, in order.
         print(f'| {side}x{side}x{channels} -> {filters} | '
-              f'{statistics.median(seconds["summed"]) * 1e3:.2f} | '
-              f'{ratio["tf_twice"]:.2f}x | {ratio["vectorized_map"]:.2f}x | {ratio["depthwise"]:.2f}x | '
-              f'{ratio["patches"]:.2f}x |')
+              f'{statistics.median(seconds["summed"]) * 1e3:.2f} | {ratios} |')
 
 
 if __name__ == '__main__':

@@ -38,6 +38,8 @@ from tf_twice.keras import vectorized_backprop
 from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import randomness
 
+import paired_rounds  # Beside this script.
+
 L2_CLIP, LINF_CLIP = 1.0, 0.1
 
 
@@ -57,7 +59,8 @@ def parts(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
     with mock.patch.dict(vectorized_backprop.CONVERTERS, clear=True):
         tensorflow_only = tf.function(per_example_gradients)
         tensorflow_only.get_concrete_function()  # Traced without them.
-    grads = [tf.constant(g) for g in tf.function(per_example_gradients)()]
+    with_conversions = tf.function(per_example_gradients)
+    grads = [tf.constant(g) for g in with_conversions()]
     key = randomness.draw_step_key(tf.random.Generator.from_seed(0))
 
     def clip_mask_sum(twice):
@@ -67,7 +70,7 @@ def parts(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
             coordinate_sampling_rate=0.5 if twice else 1.0, key=key)
 
     return {'summed gradient': tf.function(summed),
-            'per-example (tf_twice)': tf.function(per_example_gradients),
+            'per-example (tf_twice)': with_conversions,
             'per-example (TensorFlow)': tensorflow_only,
             'clip-mask-sum q2=1': tf.function(clip_mask_sum(False)),
             'clip-mask-sum q2=0.5 linf=0.1': tf.function(clip_mask_sum(True))}
@@ -94,21 +97,18 @@ def main() -> None:
     for a, b in zip(fast, stock):  # The same gradients, both ways.
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4,
                                    atol=1e-5)
-    names = list(fns)
-    seconds = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.process_time()
-            for _ in range(args.calls):
-                tf.nest.map_structure(lambda t: t.numpy(), fns[name]())
-            seconds[name].append((time.process_time() - start) / args.calls)
+    synced = {name: (lambda fn=fn: tf.nest.map_structure(
+        lambda t: t.numpy(), fn())) for name, fn in fns.items()}
+    for call in synced.values():  # Traced before any timing.
+        call()
+    seconds = paired_rounds.time_rounds(
+        synced, rounds=args.rounds, calls=args.calls, clock=time.process_time)
     print(f'{args.model}, {model.count_params()} parameters, chunk of '
           f'{size} examples, TensorFlow {tf.__version__}; CPU ms per call '
           'and ratio to the summed gradient (paired, median of '
           f'{args.rounds} rounds)')
-    for name in names:
-        ratio = statistics.median(
-            s / b for s, b in zip(seconds[name], seconds['summed gradient']))
+    for name in fns:
+        ratio = paired_rounds.median_ratio(seconds, name, 'summed gradient')
         print(f'  {name:32s} {statistics.median(seconds[name]) * 1e3:8.2f} ms'
               f'  {ratio:5.2f}x')
 
