@@ -12,9 +12,12 @@ how a logical batch is split into microbatches.
 """
 
 import math
+import re
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
+# Public TensorFlow has no test for "inside an XLA-compiled function".
+from tensorflow.python.ops import control_flow_util
 
 from tf_twice.mechanism import randomness
 from tf_twice.mechanism.randomness import TensorLike
@@ -53,13 +56,18 @@ def squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     # would first write a second [B, d] copy, and einsum('bi,bi->b') runs as
     # B one-by-one matrix products (measured on the reference CNN's
     # gradients, [64, 79530] in 8 tensors: 1.4 ms CPU against 3.5 and 12.4).
+    # XLA has no kernel for the Euclidean norm; there the squares fuse with
+    # the sum instead (for callers that compile this step with XLA).
+    in_xla = control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
     squares = []
     for g in grads:
         d = _num_elements(g.shape[1:])
         if d > 0:
             flat = tf.reshape(g, [-1, d])
-            squares.append(tf.square(tf.math.reduce_euclidean_norm(
-                flat, axis=1)))
+            squares.append(
+                tf.reduce_sum(tf.square(flat), axis=1) if in_xla else
+                tf.square(tf.math.reduce_euclidean_norm(flat, axis=1)))
     if not squares:  # Only empty tensors: every example has norm 0.
         return tf.zeros([tf.shape(grads[0])[0]], grads[0].dtype)
     return tf.add_n(squares)
@@ -102,8 +110,8 @@ def _clip_and_mask(
 
     The mask is ``mask`` if given, else drawn from ``mask_words``
     (`randomness.row_mask_words`), else none. Without l-infinity clipping
-    the scale is left to the caller's matrix-vector product (masking
-    commutes with a per-row scale).
+    the scale is left to the caller's per-row coefficient (masking commutes
+    with a per-row scale).
     """
     if linf_norm_clip is not None:
         c_inf = tf.constant(linf_norm_clip, flat.dtype)
@@ -116,8 +124,81 @@ def _clip_and_mask(
     return flat
 
 
-# One fused XLA kernel for unpacking the mask bits, clipping and selection: on
-# CPU it avoids materialising the masks and several [B, d] intermediates.
+# `_sum_rows` adds rows in groups of this many.
+_ROW_GROUP = 8
+
+
+def _xla_prefers_group_reductions() -> bool:
+    """Which form of `_sum_rows` XLA's CPU code runs fast. Measured on the
+    reference CNN's [64, 73,728] dense kernel: the other form on TensorFlow
+    2.15, this one on 2.21, each about twice as fast as the other there
+    (`benchmarks/step_breakdown_benchmark.py`); later versions are taken to
+    behave like 2.21. Both give the same sum up to the order of float
+    additions."""
+    match = re.match(r'(\d+)\.(\d+)', tf.__version__)
+    return match is None or (int(match[1]), int(match[2])) >= (2, 16)
+
+
+_GROUP_REDUCTIONS = _xla_prefers_group_reductions()
+
+
+def _add_halves(x: tf.Tensor) -> tf.Tensor:
+    """sum_i x[i] by adding halves: elementwise, so XLA fuses it with what
+    produces x."""
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        top = x[:half] + x[half:2 * half]
+        x = top if x.shape[0] % 2 == 0 else tf.concat(
+            [top, x[2 * half:]], 0)
+    return x[0]
+
+
+def _sum_rows(x: tf.Tensor, group_reductions: bool) -> tf.Tensor:
+    """sum_i x[i] of a [B, d] tensor with a static B, inside XLA.
+
+    XLA's CPU reduction over all B rows, and the matrix-vector product
+    after an XLA kernel that writes [B, d], cost two to six times one pass
+    over x. Splitting the sum into a reduction within groups of rows and
+    elementwise additions across them keeps it one fused pass that reads
+    [B, d] once and never writes it; which split runs fast depends on the
+    XLA version (`_xla_prefers_group_reductions`).
+    """
+    rows = x.shape[0]
+    groups = -(-rows // _ROW_GROUP)
+    if groups * _ROW_GROUP != rows:  # Zero rows add nothing.
+        x = tf.pad(x, [[0, groups * _ROW_GROUP - rows], [0, 0]])
+    if group_reductions:  # Reduce 8 adjacent rows, then add the groups.
+        return _add_halves(tf.reduce_sum(
+            tf.reshape(x, [groups, _ROW_GROUP, -1]), axis=1))
+    # Add 8 slices of `groups` rows, then reduce those rows.
+    return tf.reduce_sum(
+        _add_halves(tf.reshape(x, [_ROW_GROUP, groups, -1])), axis=0)
+
+
+def _clip_mask_and_sum(
+    flat: tf.Tensor,
+    scale: tf.Tensor,
+    coef: Optional[tf.Tensor],
+    mask: Optional[tf.Tensor],
+    mask_words: Optional[tf.Tensor],
+    coordinate_sampling_rate: float,
+    linf_norm_clip: Optional[float],
+) -> tf.Tensor:
+    """sum_i coef_i * mask_i * clip_inf(scale_i * g_i), for one XLA kernel
+    that reads [B, d] once (``flat`` must have a static B)."""
+    flat = _clip_and_mask(flat, scale, mask, mask_words,
+                          coordinate_sampling_rate, linf_norm_clip)
+    if coef is not None:
+        flat = flat * coef[:, None]
+    return _sum_rows(flat, _GROUP_REDUCTIONS)
+
+
+# Unpacking the mask bits, clipping, selection and the sum over examples in
+# one XLA kernel: on CPU it avoids materialising the masks and [B, d]
+# intermediates (the twice-sampling pass about halves against an XLA
+# elementwise kernel followed by a matrix-vector product).
+_clip_mask_and_sum_fused = tf.function(_clip_mask_and_sum, jit_compile=True)
+# For a batch size known only at run time: the elementwise part alone.
 _clip_and_mask_fused = tf.function(_clip_and_mask, jit_compile=True)
 
 
@@ -139,7 +220,6 @@ def sum_block(
     ``randomness.mask_stream(block, k)``.
     """
     offset = tf.cast(example_offset, tf.int64)
-    elementwise = _clip_and_mask_fused if jit_compile else _clip_and_mask
     sums = []
     for k, g in enumerate(grads):
         d = _num_elements(g.shape[1:])
@@ -149,21 +229,30 @@ def sum_block(
         flat = tf.reshape(g, [-1, d])
         mask = None if masks is None else tf.reshape(masks[k], [-1, d])
         if linf_norm_clip is None:
+            # Masking commutes with a per-row scale: it joins the weights.
             coef = scale if weights is None else scale * weights
         else:
             coef = weights
-        if linf_norm_clip is not None or coordinate_sampling_rate < 1 or (
-                mask is not None):
+        if linf_norm_clip is None and coordinate_sampling_rate >= 1 and (
+                mask is None):
+            # Nothing elementwise: one matrix-vector product.
+            total = tf.linalg.matvec(flat, coef, transpose_a=True)
+        else:
             words = None
             if mask is None and coordinate_sampling_rate < 1:
                 words = randomness.row_mask_words(
                     key, randomness.mask_stream(block, k), tf.shape(flat)[0],
                     offset, d, coordinate_sampling_rate)
-            flat = elementwise(flat, scale, mask, words,
-                               coordinate_sampling_rate, linf_norm_clip)
-        if coef is None:
-            total = tf.reduce_sum(flat, axis=0)
-        else:
-            total = tf.linalg.matvec(flat, coef, transpose_a=True)
+            if jit_compile and flat.shape[0] is not None:
+                total = _clip_mask_and_sum_fused(
+                    flat, scale, coef, mask, words, coordinate_sampling_rate,
+                    linf_norm_clip)
+            else:
+                elementwise = (_clip_and_mask_fused if jit_compile else
+                               _clip_and_mask)
+                flat = elementwise(flat, scale, mask, words,
+                                   coordinate_sampling_rate, linf_norm_clip)
+                total = (tf.reduce_sum(flat, axis=0) if coef is None else
+                         tf.linalg.matvec(flat, coef, transpose_a=True))
         sums.append(tf.reshape(total, g.shape[1:]))
     return sums
