@@ -194,6 +194,8 @@ def time_fit(model: tf.keras.Model, dataset: tf.data.Dataset,
     return steps * batch / wall, steps * batch / cpu
 
 
+# Enough Poisson batches to meet (nearly) every last-chunk size bucket.
+WARM_UP_STEPS = 12
 TWICE = 'fast path q2=0.5 linf=0.1'
 TWICE_FIXED = TWICE + ' fixed B'  # The same model on fixed batches of B.
 FAST = ('non-private fit', 'fast path q2=1', TWICE, TWICE_FIXED,
@@ -221,11 +223,14 @@ def throughput(args) -> Dict[str, List[tuple]]:
     for name in fast + slow:
         models[name] = build(name, batch, physical)
         # The first fit traces (and compiles) the train function; a second
-        # short one warms up the rest (Poisson batches of other sizes too).
+        # one warms up the rest: Poisson batches of other sizes, whose last
+        # chunk has a new row count, for which XLA compiles the twice-
+        # sampling kernels once per multiple of 8 rows (a one-time cost:
+        # 8 compiles of 0.3-0.5 CPU-seconds at physical batch 64).
         models[name].fit(data[name], steps_per_epoch=1, epochs=1, verbose=0)
         if name in fast:
-            models[name].fit(data[name], steps_per_epoch=3, epochs=1,
-                             verbose=0)
+            models[name].fit(data[name], steps_per_epoch=WARM_UP_STEPS,
+                             epochs=1, verbose=0)
     for name in slow:
         results[name] = [time_fit(models[name], data[name], args.slow_steps,
                                   batch)]

@@ -93,8 +93,8 @@ def test_fused_kernel_equals_unfused(q2, c_inf, dtype, batch):
 
 @pytest.mark.parametrize('q2, c_inf', [(0.5, 0.3), (1.0, None)])
 def test_batch_size_known_only_at_run_time(q2, c_inf):
-    # A graph whose batch dimension is unknown at trace time cannot use the
-    # fused sum (it needs a static row count) and takes the other path.
+    # The training paths cut logical batches into chunks whose size is known
+    # only at run time.
     grads = _grads(10, seed=13, scale=2.0)
     key = randomness.draw_step_key(tf.random.Generator.from_seed(3))
     kwargs = dict(l2_norm_clip=1.0, linf_norm_clip=c_inf,

@@ -124,55 +124,50 @@ def _clip_and_mask(
     return flat
 
 
-# `_sum_rows` adds rows in groups of this many.
-_ROW_GROUP = 8
+# `_sum_rows` cuts the rows into this many slices (a power of 2).
+_ROW_SLICES = 8
 
 
-def _xla_prefers_group_reductions() -> bool:
-    """Which form of `_sum_rows` XLA's CPU code runs fast. Measured on the
-    reference CNN's [64, 73,728] dense kernel: the other form on TensorFlow
-    2.15, this one on 2.21, each about twice as fast as the other there
-    (`benchmarks/step_breakdown_benchmark.py`); later versions are taken to
-    behave like 2.21. Both give the same sum up to the order of float
-    additions."""
+def _xla_prefers_reducing_slices_first() -> bool:
+    """Which order of `_sum_rows` XLA's CPU code runs fast. Measured on the
+    reference CNN's [64, 73,728] dense kernel: adding the slices first on
+    TensorFlow 2.15, reducing them first on 2.21, each about twice as fast
+    as the other order there (`benchmarks/step_breakdown_benchmark.py`);
+    later versions are taken to behave like 2.21. Both give the same sum up
+    to the order of float additions."""
     match = re.match(r'(\d+)\.(\d+)', tf.__version__)
     return match is None or (int(match[1]), int(match[2])) >= (2, 16)
 
 
-_GROUP_REDUCTIONS = _xla_prefers_group_reductions()
+_REDUCE_SLICES_FIRST = _xla_prefers_reducing_slices_first()
 
 
 def _add_halves(x: tf.Tensor) -> tf.Tensor:
-    """sum_i x[i] by adding halves: elementwise, so XLA fuses it with what
-    produces x."""
+    """sum_i x[i] over a power-of-2 leading dimension by adding halves:
+    elementwise, so XLA fuses it with what produces x."""
     while x.shape[0] > 1:
         half = x.shape[0] // 2
-        top = x[:half] + x[half:2 * half]
-        x = top if x.shape[0] % 2 == 0 else tf.concat(
-            [top, x[2 * half:]], 0)
+        x = x[:half] + x[half:]
     return x[0]
 
 
-def _sum_rows(x: tf.Tensor, group_reductions: bool) -> tf.Tensor:
-    """sum_i x[i] of a [B, d] tensor with a static B, inside XLA.
+def _sum_rows(x: tf.Tensor, reduce_slices_first: bool) -> tf.Tensor:
+    """sum_i x[i] of a [B, d] tensor, inside XLA.
 
     XLA's CPU reduction over all B rows, and the matrix-vector product
     after an XLA kernel that writes [B, d], cost two to six times one pass
-    over x. Splitting the sum into a reduction within groups of rows and
-    elementwise additions across them keeps it one fused pass that reads
-    [B, d] once and never writes it; which split runs fast depends on the
-    XLA version (`_xla_prefers_group_reductions`).
+    over x. Cut into 8 slices of rows, the sum is a reduction within each
+    slice and elementwise additions across slices: one fused pass that reads
+    [B, d] once and never writes it. Which comes first runs fast depends on
+    the XLA version (`_xla_prefers_reducing_slices_first`). B may be known
+    only at run time (XLA compiles for each size).
     """
-    rows = x.shape[0]
-    groups = -(-rows // _ROW_GROUP)
-    if groups * _ROW_GROUP != rows:  # Zero rows add nothing.
-        x = tf.pad(x, [[0, groups * _ROW_GROUP - rows], [0, 0]])
-    if group_reductions:  # Reduce 8 adjacent rows, then add the groups.
-        return _add_halves(tf.reduce_sum(
-            tf.reshape(x, [groups, _ROW_GROUP, -1]), axis=1))
-    # Add 8 slices of `groups` rows, then reduce those rows.
-    return tf.reduce_sum(
-        _add_halves(tf.reshape(x, [_ROW_GROUP, groups, -1])), axis=0)
+    rows = tf.shape(x)[0]
+    x = tf.pad(x, [[0, (-rows) % _ROW_SLICES], [0, 0]])  # Zero rows add 0.
+    x = tf.reshape(x, [_ROW_SLICES, -1, x.shape[1]])
+    if reduce_slices_first:
+        return _add_halves(tf.reduce_sum(x, axis=1))
+    return tf.reduce_sum(_add_halves(x), axis=0)
 
 
 def _clip_mask_and_sum(
@@ -185,12 +180,12 @@ def _clip_mask_and_sum(
     linf_norm_clip: Optional[float],
 ) -> tf.Tensor:
     """sum_i coef_i * mask_i * clip_inf(scale_i * g_i), for one XLA kernel
-    that reads [B, d] once (``flat`` must have a static B)."""
+    that reads [B, d] once."""
     flat = _clip_and_mask(flat, scale, mask, mask_words,
                           coordinate_sampling_rate, linf_norm_clip)
     if coef is not None:
         flat = flat * coef[:, None]
-    return _sum_rows(flat, _GROUP_REDUCTIONS)
+    return _sum_rows(flat, _REDUCE_SLICES_FIRST)
 
 
 # Unpacking the mask bits, clipping, selection and the sum over examples in
@@ -198,8 +193,20 @@ def _clip_mask_and_sum(
 # intermediates (the twice-sampling pass about halves against an XLA
 # elementwise kernel followed by a matrix-vector product).
 _clip_mask_and_sum_fused = tf.function(_clip_mask_and_sum, jit_compile=True)
-# For a batch size known only at run time: the elementwise part alone.
-_clip_and_mask_fused = tf.function(_clip_and_mask, jit_compile=True)
+
+
+def _pad_rows(tensors: Sequence[Optional[tf.Tensor]]
+              ) -> List[Optional[tf.Tensor]]:
+    """Zero rows up to a multiple of 8: XLA compiles its kernel once per
+    row count (300-500 ms CPU for the reference CNN's tensors), and the last
+    chunk of a Poisson batch takes a new count at almost every step. Zero
+    rows (zero gradient, scale, weight, mask words) contribute nothing; a
+    full chunk is not copied (padding by 0 rows forwards the tensor)."""
+    rows = tf.shape(tensors[0])[0]
+    extra = (-rows) % _ROW_SLICES
+    return [None if t is None else
+            tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
+            for t in tensors]
 
 
 def sum_block(
@@ -243,15 +250,14 @@ def sum_block(
                 words = randomness.row_mask_words(
                     key, randomness.mask_stream(block, k), tf.shape(flat)[0],
                     offset, d, coordinate_sampling_rate)
-            if jit_compile and flat.shape[0] is not None:
+            if jit_compile:
                 total = _clip_mask_and_sum_fused(
-                    flat, scale, coef, mask, words, coordinate_sampling_rate,
-                    linf_norm_clip)
+                    *_pad_rows([flat, scale, coef, mask, words]),
+                    coordinate_sampling_rate, linf_norm_clip)
             else:
-                elementwise = (_clip_and_mask_fused if jit_compile else
-                               _clip_and_mask)
-                flat = elementwise(flat, scale, mask, words,
-                                   coordinate_sampling_rate, linf_norm_clip)
+                flat = _clip_and_mask(flat, scale, mask, words,
+                                      coordinate_sampling_rate,
+                                      linf_norm_clip)
                 total = (tf.reduce_sum(flat, axis=0) if coef is None else
                          tf.linalg.matvec(flat, coef, transpose_a=True))
         sums.append(tf.reshape(total, g.shape[1:]))
