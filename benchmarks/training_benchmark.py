@@ -194,6 +194,8 @@ def time_fit(model: tf.keras.Model, dataset: tf.data.Dataset,
     return steps * batch / wall, steps * batch / cpu
 
 
+# The twice-sampling step's speed target against non-private fit, per model.
+TWICE_TARGET = {'small_cnn': 0.5, 'resnet22': 0.9}
 # Enough Poisson batches to meet (nearly) every last-chunk size bucket.
 WARM_UP_STEPS = 12
 TWICE = 'fast path q2=0.5 linf=0.1'
@@ -355,7 +357,8 @@ def main(argv=None) -> None:
     for fast in (one, twice):
         ratio(fast, 'tf_privacy vectorized', 30.0, '>= 30')
     ratio(one, 'non-private fit', None, 'informative')
-    ratio(twice, 'non-private fit', 0.5, '>= 0.5')
+    target = TWICE_TARGET[args.model]
+    ratio(twice, 'non-private fit', target, f'>= {target}')
     ratio('optimizer path q2=0.5 linf=0.1', twice, None,
           'informative: the same per-example step')
     for clock, label in ((0, 'wall'), (1, 'CPU')):

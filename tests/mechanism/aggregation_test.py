@@ -128,6 +128,19 @@ def test_callable_inside_a_caller_compiled_with_xla():
                                    atol=1e-7)
 
 
+def test_weights_are_refused_inside_a_caller_compiled_with_xla():
+    # XLA drops the run-time check that keeps weights in [0, 1]: a weight of
+    # 2 would count an example twice, so weights are refused there.
+    grads = _grads(4, seed=14)
+    compiled = tf.function(
+        lambda w, *g: agg.clipped_masked_sum(list(g), l2_norm_clip=1.0,
+                                             weights=w),
+        jit_compile=True)
+    with pytest.raises(ValueError, match='weights cannot be checked inside '
+                       'a function compiled with XLA'):
+        compiled(np.array([1, 2, 1, 1], np.float32), *grads)
+
+
 def test_linf_clip_applies_after_l2_clip():
     # One example with a single large coordinate: the l2 clip scales it to
     # c2, then the l-infinity clip cuts it to c_inf.

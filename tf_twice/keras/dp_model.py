@@ -23,9 +23,10 @@ config, compiled with a tf_twice DP optimizer), hybrid clipping (``basis=``,
 ``set_basis``), the step keys that no model artifact holds and the seeded
 runs ("Secrets, checkpoints and seeds"), and the update that is the same
 for any number of replicas ("Several devices"). The basis is NOT part of
-checkpoints: a resumed run relearns or reloads it. ``compile`` defaults to
-``jit_compile=False`` (XLA cannot compile the seeded step keys' hashing, and
-was slower on CPU).
+checkpoints: a resumed run relearns or reloads it. ``compile`` refuses
+``jit_compile=True``: XLA drops the run-time check of per-example weights
+and cannot compile the seeded step keys' hashing (the clip-mask-sum kernels
+use XLA on their own).
 """
 
 import logging
@@ -246,8 +247,17 @@ class DPModel(tf.keras.Model):
                                   has_config=self._own_aggregator is not None)
         self._example_loss = per_example.loss_fn(loss)
         previous = self.aggregator
-        # Keras 3's 'auto' would turn XLA on where there is a GPU.
-        kwargs.setdefault('jit_compile', False)
+        # XLA drops run-time assertions, among them the check that keeps
+        # per-example weights in [0, 1] (the sensitivity bound); Keras 3's
+        # default 'auto' would turn XLA on where there is a GPU.
+        jit_compile = kwargs.get('jit_compile', False)
+        if jit_compile not in (False, None):
+            raise ValueError(
+                'jit_compile must be False for a DPModel (got '
+                f'{jit_compile!r}): XLA drops the run-time checks that keep '
+                'per-example weights in [0, 1], which the privacy guarantee '
+                'needs, and cannot compile seeded step keys.')
+        kwargs['jit_compile'] = False
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
         if previous is not None and previous is not self.aggregator and all(

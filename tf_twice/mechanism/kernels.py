@@ -35,9 +35,20 @@ def _num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(int(s) for s in shape))
 
 
+def _in_xla_context() -> bool:
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
+
+
 def check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     # A weight above 1 would scale an example's contribution past the clip
     # bound, so it is refused rather than silently accepted.
+    if _in_xla_context():
+        raise ValueError(
+            'weights cannot be checked inside a function compiled with XLA '
+            '(jit_compile=True drops run-time assertions), and a weight '
+            'outside [0, 1] would break the sensitivity bound: call the '
+            'aggregation outside XLA, or without weights.')
     weights = tf.reshape(tf.cast(weights, dtype), [-1])
     in_range = tf.reduce_all(
         tf.logical_and(weights >= 0, weights <= 1))
@@ -58,8 +69,7 @@ def squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     # gradients, [64, 79530] in 8 tensors: 1.4 ms CPU against 3.5 and 12.4).
     # XLA has no kernel for the Euclidean norm; there the squares fuse with
     # the sum instead (for callers that compile this step with XLA).
-    in_xla = control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph())
+    in_xla = _in_xla_context()
     squares = []
     for g in grads:
         d = _num_elements(g.shape[1:])
@@ -198,10 +208,11 @@ _clip_mask_and_sum_fused = tf.function(_clip_mask_and_sum, jit_compile=True)
 def _pad_rows(tensors: Sequence[Optional[tf.Tensor]]
               ) -> List[Optional[tf.Tensor]]:
     """Zero rows up to a multiple of 8: XLA compiles its kernel once per
-    row count (300-500 ms CPU for the reference CNN's tensors), and the last
-    chunk of a Poisson batch takes a new count at almost every step. Zero
-    rows (zero gradient, scale, weight, mask words) contribute nothing; a
-    full chunk is not copied (padding by 0 rows forwards the tensor)."""
+    row count (300-500 ms CPU for the reference CNN's tensors), and a
+    Poisson batch aggregated whole (`clipped_masked_sum` in a custom loop)
+    has a new count at almost every step (DPModel's chunks already come in
+    at most 8 sizes, `per_example.chunk_of`). Zero rows (zero gradient, scale, weight, mask
+    words) contribute nothing; padding by 0 rows forwards the tensor."""
     rows = tf.shape(tensors[0])[0]
     extra = (-rows) % _ROW_SLICES
     return [None if t is None else
