@@ -162,7 +162,8 @@ def _add_halves(x: tf.Tensor) -> tf.Tensor:
 
 
 def _sum_rows(x: tf.Tensor, reduce_slices_first: bool) -> tf.Tensor:
-    """sum_i x[i] of a [B, d] tensor, inside XLA.
+    """sum_i x[i] of a [B, d] tensor, B a multiple of 8 (`_pad_rows`),
+    inside XLA.
 
     XLA's CPU reduction over all B rows, and the matrix-vector product
     after an XLA kernel that writes [B, d], cost two to six times one pass
@@ -172,8 +173,6 @@ def _sum_rows(x: tf.Tensor, reduce_slices_first: bool) -> tf.Tensor:
     the XLA version (`_xla_prefers_reducing_slices_first`). B may be known
     only at run time (XLA compiles for each size).
     """
-    rows = tf.shape(x)[0]
-    x = tf.pad(x, [[0, (-rows) % _ROW_SLICES], [0, 0]])  # Zero rows add 0.
     x = tf.reshape(x, [_ROW_SLICES, -1, x.shape[1]])
     if reduce_slices_first:
         return _add_halves(tf.reduce_sum(x, axis=1))
@@ -207,11 +206,12 @@ _clip_mask_and_sum_fused = tf.function(_clip_mask_and_sum, jit_compile=True)
 
 def _pad_rows(tensors: Sequence[Optional[tf.Tensor]]
               ) -> List[Optional[tf.Tensor]]:
-    """Zero rows up to a multiple of 8: XLA compiles its kernel once per
-    row count (300-500 ms CPU for the reference CNN's tensors), and a
-    Poisson batch aggregated whole (`clipped_masked_sum` in a custom loop)
-    has a new count at almost every step (DPModel's chunks already come in
-    at most 8 sizes, `per_example.chunk_of`). Zero rows (zero gradient, scale, weight, mask
+    """Zero rows up to a multiple of 8, as `_sum_rows` needs. XLA compiles
+    its kernel once per row count (300-500 ms CPU for the reference CNN's
+    tensors), so this also bounds the compiles where a Poisson batch is
+    aggregated whole (`clipped_masked_sum` in a custom loop: a new count at
+    almost every step; DPModel's chunks already come in at most 8 sizes,
+    `per_example.chunk_of`). Zero rows (zero gradient, scale, weight, mask
     words) contribute nothing; padding by 0 rows forwards the tensor."""
     rows = tf.shape(tensors[0])[0]
     extra = (-rows) % _ROW_SLICES
