@@ -4,12 +4,14 @@ Input contract: a logical batch ``(x, y)`` with per-example ``weights`` in
 [0, 1] (1 real, 0 padding) whose size may change between steps, 0 included
 (an empty logical batch is a valid DP step whose update is pure noise).
 ``private_update`` cuts it into physical microbatches of
-``physical_batch_size`` rows, the last one as large as what is left (no
-padding rows are computed), runs them in a ``tf.while_loop`` that takes each
-chunk's per-example gradients (``per_example.gradients``) and accumulates
-their clipped masked sums (``PrivateAggregator.accumulate``), and adds noise
-once (``PrivateAggregator.finish``). ``DPModel`` reads the batch, applies
-the update with the compiled optimizer and keeps the metrics.
+``physical_batch_size`` rows, the last one zero-padded to a multiple of
+``max(1, physical_batch_size // 8)`` rows of weight 0 (at most 8 chunk
+shapes; ``per_example.chunk_of``), runs them in a ``tf.while_loop`` that
+takes each chunk's per-example gradients (``per_example.gradients``) and
+accumulates their clipped masked sums (``PrivateAggregator.accumulate``),
+and adds noise once (``PrivateAggregator.finish``). ``DPModel`` reads the
+batch, applies the update with the compiled optimizer and keeps the
+metrics.
 """
 
 from typing import Any, Callable, List, Sequence
