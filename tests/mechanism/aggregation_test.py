@@ -70,9 +70,8 @@ def test_generated_masks_match_reference(c_inf):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-# Batches of 1, 9 and 20 rows: the fused kernel sums rows in 8 groups, so
-# these take its zero-padding path (1 and 9 with one row per group, 20 with
-# several); 64 fills the groups exactly.
+# Batches of 1, 9 and 20 rows are zero-padded to 8, 16 and 24 (1-3 rows in
+# each of the fused row sum's 8 slices); 64 needs no padding.
 @pytest.mark.parametrize('batch', [1, 9, 20, 64])
 @pytest.mark.parametrize('q2, c_inf, dtype', [
     (0.5, 0.3, np.float32), (0.25, None, np.float32),
