@@ -247,16 +247,7 @@ class DPModel(tf.keras.Model):
                                   has_config=self._own_aggregator is not None)
         self._example_loss = per_example.loss_fn(loss)
         previous = self.aggregator
-        # XLA drops run-time assertions, among them the check that keeps
-        # per-example weights in [0, 1] (the sensitivity bound); Keras 3's
-        # default 'auto' would turn XLA on where there is a GPU.
-        jit_compile = kwargs.get('jit_compile', False)
-        if jit_compile not in (False, None):
-            raise ValueError(
-                'jit_compile must be False for a DPModel (got '
-                f'{jit_compile!r}): XLA drops the run-time checks that keep '
-                'per-example weights in [0, 1], which the privacy guarantee '
-                'needs, and cannot compile seeded step keys.')
+        guards.check_no_xla(kwargs.get('jit_compile', False))
         kwargs['jit_compile'] = False
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
