@@ -90,6 +90,23 @@ def test_fused_kernel_equals_unfused(q2, c_inf, dtype, batch):
                                    atol=1e-7)
 
 
+def test_fused_kernel_follows_a_changed_clip_or_rate():
+    # The XLA kernel is one module-level function, cached per shape and
+    # Python argument: the same shapes with a new l-infinity clip or q2 must
+    # not run the kernel compiled for the old ones.
+    grads = _grads(9, seed=16, scale=3.0)
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(6))
+    for c_inf, q2 in [(0.5, 0.5), (0.01, 0.5), (0.01, 0.25), (0.5, 0.5)]:
+        kwargs = dict(l2_norm_clip=1.0, linf_norm_clip=c_inf,
+                      coordinate_sampling_rate=q2, key=key)
+        fused = agg.clipped_masked_sum(grads, jit_compile=True, **kwargs)
+        plain = agg.clipped_masked_sum(grads, jit_compile=False, **kwargs)
+        for a, b in zip(fused, plain):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6,
+                                       atol=1e-7)
+            assert np.max(np.abs(a.numpy())) <= 9 * c_inf * (1 + 1e-6)
+
+
 @pytest.mark.parametrize('q2, c_inf', [(0.5, 0.3), (1.0, None)])
 def test_batch_size_known_only_at_run_time(q2, c_inf):
     # The training paths cut logical batches into chunks whose size is known
