@@ -36,6 +36,8 @@ Poisson overhead <= 1.1x; memory <= 1.2x. Usage:
   python benchmarks/training_benchmark.py --quick    # a minute or two
   python benchmarks/training_benchmark.py --model=resnet22 --batch-size=128 \
       --skip-slow --skip-memory                       # the ResNet22 ratio
+  python benchmarks/training_benchmark.py --compare-physical=32,128 \
+      --skip-slow --skip-memory        # other chunk sizes, same rounds
 """
 
 import argparse
@@ -177,6 +179,8 @@ def build(name: str, batch: int, physical: Optional[int]
         return private
     if name.startswith('fast path'):
         twice = 'q2=0.5' in name
+        if PHYSICAL_TAG in name:  # A --compare-physical row.
+            physical = int(name.split(PHYSICAL_TAG)[1])
         private = DPModel(model, _config(batch, twice, num_examples=n),
                           physical_batch_size=physical, seed=0)
         private.compile(optimizer=tf.keras.optimizers.SGD(0.05),
@@ -200,6 +204,7 @@ TWICE_TARGET = {'small_cnn': 0.5, 'resnet22': 0.9}
 WARM_UP_STEPS = 12
 TWICE = 'fast path q2=0.5 linf=0.1'
 TWICE_FIXED = TWICE + ' fixed B'  # The same model on fixed batches of B.
+PHYSICAL_TAG = ' physical='  # TWICE with another chunk size.
 FAST = ('non-private fit', 'fast path q2=1', TWICE, TWICE_FIXED,
         'optimizer path q2=0.5 linf=0.1')
 ON_FIXED_BATCHES = ('non-private fit', 'tf_privacy vectorized', TWICE_FIXED)
@@ -216,7 +221,8 @@ def throughput(args) -> Dict[str, List[tuple]]:
         if reason is not None:
             print(textwrap.fill(f'  skipped {name}: {reason}', width=79,
                                 subsequent_indent='    '), flush=True)
-    fast = [name for name in FAST if unavailable(name) is None]
+    fast = [name for name in FAST if unavailable(name) is None] + [
+        f'{TWICE}{PHYSICAL_TAG}{p}' for p in args.compare_physical]
     slow = [name for name in slow if unavailable(name) is None]
     data = {name: fixed if name in ON_FIXED_BATCHES else poisson
             for name in fast + slow}
@@ -304,6 +310,10 @@ def main(argv=None) -> None:
     parser.add_argument('--physical-batch-size', type=int, default=None,
                         help='DPModel chunk size (default: the library\'s, '
                         'default_physical_batch_size)')
+    parser.add_argument(
+        '--compare-physical', type=lambda v: [int(p) for p in v.split(',')],
+        default=[], help='comma-separated chunk sizes: adds a twice-sampling '
+        'row for each, timed in the same rounds')
     parser.add_argument('--steps', type=int, default=10,
                         help='timed steps per round of the fast configs')
     parser.add_argument('--rounds', type=int, default=6)
@@ -359,6 +369,11 @@ def main(argv=None) -> None:
     ratio(one, 'non-private fit', None, 'informative')
     target = TWICE_TARGET[args.model]
     ratio(twice, 'non-private fit', target, f'>= {target}')
+    for p in args.compare_physical:
+        ratio(f'{twice}{PHYSICAL_TAG}{p}', 'non-private fit', None,
+              'informative')
+        ratio(f'{twice}{PHYSICAL_TAG}{p}', twice, None,
+              f'informative: physical batch {p} against {physical}')
     ratio('optimizer path q2=0.5 linf=0.1', twice, None,
           'informative: the same per-example step')
     for clock, label in ((0, 'wall'), (1, 'CPU')):

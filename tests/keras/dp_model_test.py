@@ -375,6 +375,12 @@ def _dense(width, inputs=None):
     # d = 90,300: [64, d] float32 fit in 32 MiB, [128, d] do not.
     (lambda: _dense(300, 300), None, 64),
     (lambda: _dense(300, 300), 1000.0, 64),
+    # d = 292,140: [16, d] fit in 32 MiB, but [64, d] fit in 128 MiB, and
+    # chunks of 64 are faster (ResNet22).
+    (lambda: _dense(540, 540), None, 64),
+    (lambda: _dense(540, 540), 20.0, 32),
+    # d = 1,001,000: [8, d] fit in 32 MiB, [32, d] in 128 MiB.
+    (lambda: _dense(1000, 1000), None, 32),
     # d = 4.2M: not even 8 rows fit, 8 is the floor.
     (lambda: _dense(2048, 2048), None, 8),
     (lambda: _dense(3), None, 64),  # Not built: d unknown.

@@ -262,7 +262,19 @@ def build(model: tf.keras.Model, x: Any) -> None:
 # in the last-level cache: DP throughput of the reference CNN (d = 79,530)
 # fell 38 % from P = 64 (20 MB) to P = 256 (81 MB), non-private did not.
 _CACHE_BYTES = 32 * 2**20
+# But chunks below 64 examples underuse the conv kernels: ResNet22
+# (d = 291,898) trained 1.23-1.30x faster per CPU-second at P = 64 (75 MB)
+# than at 16, the largest P in cache, and 1.16x / 1.04x at 32
+# (`benchmarks/training_benchmark.py --model resnet22 --compare-physical`,
+# TensorFlow 2.15 / 2.21). So P stays at 64 while [64, d] fit this budget.
+_SMALLEST_FULL_CHUNK = 64
+_MEMORY_BYTES = 128 * 2**20
 _PHYSICAL_RANGE = (8, 256)
+
+
+def _largest_power_of_two_rows(budget_bytes: int, d: int) -> int:
+    """The largest power of two P (at least 1) with 4 * P * d <= budget."""
+    return 2**max(0, math.floor(math.log2(max(1, budget_bytes // (4 * d)))))
 
 
 def default_physical_batch_size(
@@ -271,16 +283,19 @@ def default_physical_batch_size(
     """The physical batch size DPModel uses when none is given.
 
     The largest power of two P in [8, 256] whose [P, d] float32 per-example
-    gradients fit in 32 MiB (d: the model's trainable parameters; 64 for a
-    model not built yet), and no larger than the expected logical batch
-    rounded up to a power of two (a larger chunk would never be filled).
-    Speed and memory only: it never changes the released values' law.
+    gradients fit in 32 MiB, but at least 64 where [64, d] fit in 128 MiB
+    (d: the model's trainable parameters; 64 for a model not built yet),
+    and no larger than the expected logical batch rounded up to a power of
+    two (a larger chunk would never be filled). Speed and memory only: it
+    never changes the released values' law.
     """
     low, high = _PHYSICAL_RANGE
     size = 64
     if model.built:
         d = max(1, sum(math.prod(v.shape) for v in model.trainable_variables))
-        size = 2**max(0, math.floor(math.log2(max(1, _CACHE_BYTES // (4 * d)))))
+        size = max(_largest_power_of_two_rows(_CACHE_BYTES, d),
+                   min(_SMALLEST_FULL_CHUNK,
+                       _largest_power_of_two_rows(_MEMORY_BYTES, d)))
     if config is not None:
         size = min(size, 2**math.ceil(math.log2(config.expected_batch_size)))
     return int(min(high, max(low, size)))
