@@ -260,13 +260,15 @@ def build(model: tf.keras.Model, x: Any) -> None:
 
 # The per-example gradients of one physical batch, [P, d] floats, should stay
 # in the last-level cache: DP throughput of the reference CNN (d = 79,530)
-# fell 38 % from P = 64 (20 MB) to P = 256 (81 MB), non-private did not.
+# fell 38 % from P = 64 (20 MB) to P = 256 (81 MB) when first measured, and
+# 27 % on TensorFlow 2.21 after the one-pass clip-mask-sum (on 2.15 it rose
+# 17 %), paired (`benchmarks/training_benchmark.py --compare-physical`).
 _CACHE_BYTES = 32 * 2**20
 # But chunks below 64 examples underuse the conv kernels: ResNet22
-# (d = 291,898) trained 1.23-1.30x faster per CPU-second at P = 64 (75 MB)
+# (d = 291,898) trained 1.22-1.30x faster per CPU-second at P = 64 (75 MB)
 # than at 16, the largest P in cache, and 1.16x / 1.04x at 32
-# (`benchmarks/training_benchmark.py --model resnet22 --compare-physical`,
-# TensorFlow 2.15 / 2.21). So P stays at 64 while [64, d] fit this budget.
+# (`--model resnet22 --compare-physical`, TensorFlow 2.15 / 2.21). So P
+# stays at 64 while [64, d] fit this budget.
 _SMALLEST_FULL_CHUNK = 64
 _MEMORY_BYTES = 128 * 2**20
 _PHYSICAL_RANGE = (8, 256)
