@@ -10,13 +10,16 @@ from tf_twice.mechanism import kernels
 
 # 1, 7 and 9 rows pad the last slice with zero rows; 8 and 64 fill the 8
 # slices exactly.
+# [B, 5, 3]: a dense kernel's gradients formed inside the kernel.
 @pytest.mark.parametrize('rows', [1, 7, 8, 9, 64])
 @pytest.mark.parametrize('reduce_slices_first', [False, True])
 @pytest.mark.parametrize('static_rows', [False, True])
+@pytest.mark.parametrize('shape', [(37,), (5, 3)])
 def test_both_orders_of_the_row_sum_sum_every_row(rows, reduce_slices_first,
-                                                  static_rows):
-    x = np.random.default_rng(rows).standard_normal((rows, 37))
-    spec = tf.TensorSpec([rows if static_rows else None, 37], tf.float64)
+                                                  static_rows, shape):
+    x = np.random.default_rng(rows).standard_normal((rows,) + shape)
+    spec = tf.TensorSpec([rows if static_rows else None] + list(shape),
+                         tf.float64)
     sum_rows = tf.function(
         lambda t: kernels._sum_rows(kernels._pad_rows([t])[0],
                                     reduce_slices_first),

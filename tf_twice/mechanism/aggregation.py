@@ -45,7 +45,9 @@ Validation. These functions are public and take raw numbers, so they check
 their arguments (``validate_params``, per block; see ``arguments``) although
 the training paths pass a ``TwiceSamplingConfig`` that is already validated:
 the checks are host-side Python, run when a step is traced, not in the step's
-graph. The per-tensor clip, mask and sum kernels are in ``kernels``.
+graph. The per-tensor clip, mask and sum kernels are in ``kernels``; a
+tensor that is a batch of outer products (a dense kernel's per-example
+gradients) is read from its factors (``outer_products``), the same numbers.
 """
 
 from typing import List, Optional, Sequence
@@ -56,6 +58,7 @@ import tensorflow as tf
 # definition.
 from tf_twice.config import effective_coordinate_sampling_rate
 from tf_twice.mechanism import kernels
+from tf_twice.mechanism import outer_products
 from tf_twice.mechanism import randomness
 from tf_twice.mechanism.arguments import check_blocks
 from tf_twice.mechanism.arguments import per_block
@@ -138,6 +141,8 @@ def clipped_masked_block_sums(
     if weights is not None:
         weights = kernels.check_weights(weights, dtype)
 
+    # A dense kernel's per-example gradients are read from their factors.
+    blocks = [[outer_products.factor(g) for g in block] for block in blocks]
     sq_norms = [kernels.squared_norms(block) for block in blocks]
     finite = tf.math.is_finite(sq_norms[0])
     for sq_norm in sq_norms[1:]:

@@ -6,7 +6,9 @@ each example's l2 clip factor over a block, ``drop_non_finite`` zeroes the
 examples whose norm is not finite, and ``sum_block`` applies the factor, the
 l-infinity clip, the Bernoulli(q2) masks and the weights and sums over the
 examples, tensor by tensor; ``check_weights`` refuses, at run time, a weight
-outside [0, 1]. Masks come from ``randomness`` (stream
+outside [0, 1]. Each tensor is a [B, ...] tensor or, for a dense kernel's
+gradients, `outer_products.OuterProducts` (the same numbers, never written
+out). Masks come from ``randomness`` (stream
 ``mask_stream(block, k)`` for tensor k of a block), so they do not depend on
 how a logical batch is split into microbatches.
 """
@@ -19,7 +21,10 @@ import tensorflow as tf
 # Public TensorFlow has no test for "inside an XLA-compiled function".
 from tensorflow.python.ops import control_flow_util
 
+from tf_twice.mechanism import outer_products
 from tf_twice.mechanism import randomness
+from tf_twice.mechanism.outer_products import OuterProducts
+from tf_twice.mechanism.outer_products import PerExample
 from tf_twice.mechanism.randomness import TensorLike
 
 __all__ = [
@@ -61,7 +66,7 @@ def check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
         return tf.identity(weights)
 
 
-def squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
+def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
     """Per-example squared l2 norm [B] over all tensors of one block."""
     # One multi-threaded reduction pass over g, squared: tf.square and a sum
     # would first write a second [B, d] copy, and einsum('bi,bi->b') runs as
@@ -73,7 +78,9 @@ def squared_norms(grads: Sequence[tf.Tensor]) -> tf.Tensor:
     squares = []
     for g in grads:
         d = _num_elements(g.shape[1:])
-        if d > 0:
+        if isinstance(g, OuterProducts):
+            squares.append(outer_products.squared_norms(g))
+        elif d > 0:
             flat = tf.reshape(g, [-1, d])
             squares.append(
                 tf.reduce_sum(tf.square(flat), axis=1) if in_xla else
@@ -92,46 +99,61 @@ def clip_scale(sq_norm: tf.Tensor, finite: tf.Tensor,
     return tf.where(finite, c2 / tf.maximum(norm, c2), tf.zeros_like(norm))
 
 
-def drop_non_finite(grads: Sequence[tf.Tensor],
-                     finite: tf.Tensor) -> List[tf.Tensor]:
+def drop_non_finite(grads: Sequence[PerExample],
+                     finite: tf.Tensor) -> List[PerExample]:
     # 0 * NaN is NaN, so non-finite examples must be zeroed, not scaled. The
-    # full-size select only runs when such an example is present.
+    # full-size select only runs when such an example is present; factors
+    # are small and always selected.
+    tensors = [g for g in grads if not isinstance(g, OuterProducts)]
+
     def _zeroed():
         out = []
-        for g in grads:
+        for g in tensors:
             keep = tf.reshape(finite, [-1] + [1] * (g.shape.rank - 1))
             out.append(tf.where(keep, g, tf.zeros_like(g)))
         return out
 
-    return tf.cond(
-        tf.reduce_all(finite), lambda: [tf.identity(g) for g in grads],
-        _zeroed)
+    if tensors:
+        tensors = tf.cond(
+            tf.reduce_all(finite), lambda: [tf.identity(g) for g in tensors],
+            _zeroed)
+    tensors = iter(tensors)
+    return [g.drop(finite) if isinstance(g, OuterProducts) else next(tensors)
+            for g in grads]
+
+
+def _per_row(v: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
+    """[B] -> [B, 1, ...], broadcasting against x [B, ...]."""
+    return tf.reshape(v, [-1] + [1] * (x.shape.rank - 1))
 
 
 def _clip_and_mask(
-    flat: tf.Tensor,
+    x: tf.Tensor,
     scale: tf.Tensor,
     mask: Optional[tf.Tensor],
     mask_words: Optional[tf.Tensor],
     coordinate_sampling_rate: float,
     linf_norm_clip: Optional[float],
 ) -> tf.Tensor:
-    """The elementwise part on one [B, d] tensor: mask * clip_inf(scale * g).
+    """The elementwise part on one [B, ...] tensor: mask * clip_inf(scale * g).
 
     The mask is ``mask`` if given, else drawn from ``mask_words``
-    (`randomness.row_mask_words`), else none. Without l-infinity clipping
-    the scale is left to the caller's per-row coefficient (masking commutes
-    with a per-row scale).
+    (`randomness.row_mask_words`, coordinates in row-major order), else
+    none. Without l-infinity clipping the scale is left to the caller's
+    per-row coefficient (masking commutes with a per-row scale).
     """
     if linf_norm_clip is not None:
-        c_inf = tf.constant(linf_norm_clip, flat.dtype)
-        flat = tf.clip_by_value(flat * scale[:, None], -c_inf, c_inf)
+        c_inf = tf.constant(linf_norm_clip, x.dtype)
+        x = tf.clip_by_value(x * _per_row(scale, x), -c_inf, c_inf)
     if mask is None and mask_words is not None:
-        mask = randomness.masks_from_words(mask_words, flat.shape[1],
-                                           coordinate_sampling_rate)
+        mask = tf.reshape(
+            randomness.masks_from_words(mask_words,
+                                        _num_elements(x.shape[1:]),
+                                        coordinate_sampling_rate),
+            tf.shape(x))
     if mask is not None:
-        flat = tf.where(mask, flat, tf.zeros_like(flat))
-    return flat
+        x = tf.where(mask, x, tf.zeros_like(x))
+    return x
 
 
 # `_sum_rows` cuts the rows into this many slices (a power of 2).
@@ -162,7 +184,7 @@ def _add_halves(x: tf.Tensor) -> tf.Tensor:
 
 
 def _sum_rows(x: tf.Tensor, reduce_slices_first: bool) -> tf.Tensor:
-    """sum_i x[i] of a [B, d] tensor, B a multiple of 8 (`_pad_rows`),
+    """sum_i x[i] of a [B, ...] tensor, B a multiple of 8 (`_pad_rows`),
     inside XLA.
 
     XLA's CPU reduction over all B rows, and the matrix-vector product
@@ -173,14 +195,14 @@ def _sum_rows(x: tf.Tensor, reduce_slices_first: bool) -> tf.Tensor:
     the XLA version (`_xla_prefers_reducing_slices_first`). B may be known
     only at run time (XLA compiles for each size).
     """
-    x = tf.reshape(x, [_ROW_SLICES, -1, x.shape[1]])
+    x = tf.reshape(x, [_ROW_SLICES, -1] + x.shape[1:].as_list())
     if reduce_slices_first:
         return _add_halves(tf.reduce_sum(x, axis=1))
     return tf.reduce_sum(_add_halves(x), axis=0)
 
 
 def _clip_mask_and_sum(
-    flat: tf.Tensor,
+    x: tf.Tensor,
     scale: tf.Tensor,
     coef: Optional[tf.Tensor],
     mask: Optional[tf.Tensor],
@@ -189,12 +211,30 @@ def _clip_mask_and_sum(
     linf_norm_clip: Optional[float],
 ) -> tf.Tensor:
     """sum_i coef_i * mask_i * clip_inf(scale_i * g_i), for one XLA kernel
-    that reads [B, d] once."""
-    flat = _clip_and_mask(flat, scale, mask, mask_words,
-                          coordinate_sampling_rate, linf_norm_clip)
+    that reads [B, ...] once."""
+    x = _clip_and_mask(x, scale, mask, mask_words, coordinate_sampling_rate,
+                       linf_norm_clip)
     if coef is not None:
-        flat = flat * coef[:, None]
-    return _sum_rows(flat, _REDUCE_SLICES_FIRST)
+        x = x * _per_row(coef, x)
+    return _sum_rows(x, _REDUCE_SLICES_FIRST)
+
+
+def _outer_clip_mask_and_sum(
+    left: tf.Tensor,
+    right: tf.Tensor,
+    scale: tf.Tensor,
+    coef: Optional[tf.Tensor],
+    mask_words: Optional[tf.Tensor],
+    coordinate_sampling_rate: float,
+    linf_norm_clip: Optional[float],
+) -> tf.Tensor:
+    """`_clip_mask_and_sum` of g_i = left_i right_i^T, each g_i formed
+    inside the kernel (XLA fuses the product into the pass, so [B, m, n]
+    is never written). Kept [B, m, n]: flattened to [B, m * n] the fused
+    loop ran 1.3-1.9x slower than writing g_i out (TensorFlow 2.21 / 2.15)."""
+    return _clip_mask_and_sum(left[:, :, None] * right[:, None, :], scale,
+                              coef, None, mask_words, coordinate_sampling_rate,
+                              linf_norm_clip)
 
 
 # Unpacking the mask bits, clipping, selection and the sum over examples in
@@ -202,6 +242,8 @@ def _clip_mask_and_sum(
 # intermediates (the twice-sampling pass about halves against an XLA
 # elementwise kernel followed by a matrix-vector product).
 _clip_mask_and_sum_fused = tf.function(_clip_mask_and_sum, jit_compile=True)
+_outer_clip_mask_and_sum_fused = tf.function(_outer_clip_mask_and_sum,
+                                             jit_compile=True)
 
 
 def _pad_rows(tensors: Sequence[Optional[tf.Tensor]]
@@ -221,7 +263,7 @@ def _pad_rows(tensors: Sequence[Optional[tf.Tensor]]
 
 
 def sum_block(
-    grads: Sequence[tf.Tensor],
+    grads: Sequence[PerExample],
     scale: tf.Tensor,
     weights: Optional[tf.Tensor],
     linf_norm_clip: Optional[float],
@@ -244,32 +286,43 @@ def sum_block(
         if d == 0:  # E.g. a group with no column in this principal block.
             sums.append(tf.zeros(g.shape[1:], g.dtype))
             continue
-        flat = tf.reshape(g, [-1, d])
         mask = None if masks is None else tf.reshape(masks[k], [-1, d])
         if linf_norm_clip is None:
             # Masking commutes with a per-row scale: it joins the weights.
             coef = scale if weights is None else scale * weights
         else:
             coef = weights
-        if linf_norm_clip is None and coordinate_sampling_rate >= 1 and (
-                mask is None):
+        elementwise = not (linf_norm_clip is None
+                           and coordinate_sampling_rate >= 1 and mask is None)
+        factored = isinstance(g, OuterProducts)
+        if factored and (mask is not None or (elementwise
+                                              and not jit_compile)):
+            g, factored = g.materialize(), False  # Tests' explicit masks.
+        words = None
+        if mask is None and coordinate_sampling_rate < 1:
+            words = randomness.row_mask_words(
+                key, randomness.mask_stream(block, k),
+                tf.shape(g.left if factored else g)[0], offset, d,
+                coordinate_sampling_rate)
+        if factored:
+            total = (_outer_clip_mask_and_sum_fused(
+                *_pad_rows([g.left, g.right, scale, coef, words]),
+                coordinate_sampling_rate, linf_norm_clip) if elementwise
+                     else g.weighted_sum(coef))
+            sums.append(tf.reshape(total, g.shape[1:]))
+            continue
+        flat = tf.reshape(g, [-1, d])
+        if not elementwise:
             # Nothing elementwise: one matrix-vector product.
             total = tf.linalg.matvec(flat, coef, transpose_a=True)
+        elif jit_compile:
+            total = _clip_mask_and_sum_fused(
+                *_pad_rows([flat, scale, coef, mask, words]),
+                coordinate_sampling_rate, linf_norm_clip)
         else:
-            words = None
-            if mask is None and coordinate_sampling_rate < 1:
-                words = randomness.row_mask_words(
-                    key, randomness.mask_stream(block, k), tf.shape(flat)[0],
-                    offset, d, coordinate_sampling_rate)
-            if jit_compile:
-                total = _clip_mask_and_sum_fused(
-                    *_pad_rows([flat, scale, coef, mask, words]),
-                    coordinate_sampling_rate, linf_norm_clip)
-            else:
-                flat = _clip_and_mask(flat, scale, mask, words,
-                                      coordinate_sampling_rate,
-                                      linf_norm_clip)
-                total = (tf.reduce_sum(flat, axis=0) if coef is None else
-                         tf.linalg.matvec(flat, coef, transpose_a=True))
+            flat = _clip_and_mask(flat, scale, mask, words,
+                                  coordinate_sampling_rate, linf_norm_clip)
+            total = (tf.reduce_sum(flat, axis=0) if coef is None else
+                     tf.linalg.matvec(flat, coef, transpose_a=True))
         sums.append(tf.reshape(total, g.shape[1:]))
     return sums

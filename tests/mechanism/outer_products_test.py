@@ -1,0 +1,190 @@
+"""Tests of dense kernels' per-example gradients kept as outer products:
+recognised by their op, aggregated to what their written-out gradients
+give, their norms right at the float32 extremes, never written out."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_twice.mechanism import aggregation as agg
+from tf_twice.mechanism import outer_products
+from tf_twice.mechanism import randomness
+
+M, N = 7, 5
+
+
+def _factors(batch, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, M)).astype(np.float32),
+            rng.standard_normal((batch, N)).astype(np.float32))
+
+
+def _batch_matmul(left, right, adj_x, adj_y):
+    """left [B, m] and right [B, n] as a batched matrix product with inner
+    dimension 1, in each of its four layouts."""
+    x = left[:, None, :] if adj_x else left[:, :, None]
+    y = right[:, :, None] if adj_y else right[:, None, :]
+    return tf.linalg.matmul(x, y, adjoint_a=adj_x, adjoint_b=adj_y)
+
+
+@pytest.mark.parametrize('adj_x', [False, True])
+@pytest.mark.parametrize('adj_y', [False, True])
+@pytest.mark.parametrize('static_rows', [False, True])
+def test_batch_matmuls_with_inner_dimension_1_are_factored(adj_x, adj_y,
+                                                           static_rows):
+    left, right = _factors(6)
+    spec = [tf.TensorSpec([6 if static_rows else None, k], tf.float32)
+            for k in (M, N)]
+
+    @tf.function(input_signature=spec)
+    def run(a, b):
+        g = _batch_matmul(a, b, adj_x, adj_y)
+        factored = outer_products.factor(g)
+        assert isinstance(factored, outer_products.OuterProducts)
+        assert factored.shape[1:] == (M, N)
+        return g, factored.materialize(), factored.left, factored.right
+
+    g, materialized, got_left, got_right = run(left, right)
+    np.testing.assert_array_equal(materialized, g)
+    np.testing.assert_array_equal(got_left, left)
+    np.testing.assert_array_equal(got_right, right)
+
+
+def test_a_batch_dimension_the_op_broadcasts_is_broadcast():
+    left, right = _factors(4, seed=1)
+
+    @tf.function
+    def run(a, b):
+        g = tf.linalg.matmul(a[:1, :, None], b[:, None, :])  # [1] x [4]
+        factored = outer_products.factor(g)
+        assert isinstance(factored, outer_products.OuterProducts)
+        return g, factored.materialize()
+
+    g, materialized = run(tf.constant(left), tf.constant(right))
+    assert materialized.shape == g.shape == (4, M, N)
+    np.testing.assert_array_equal(materialized, g)
+
+
+def test_other_tensors_are_left_as_they_are():
+    left, right = _factors(3)
+    eager = _batch_matmul(left, right, True, False)
+    assert outer_products.factor(eager) is eager
+
+    @tf.function
+    def run(a, b):
+        outer = _batch_matmul(a, b, True, False)
+        kept = [
+            tf.identity(outer),
+            outer + outer,  # A kernel used twice: a sum of two.
+            tf.linalg.matmul(tf.reshape(a, [-1, M, 1])[:, :, :1] * tf.ones(
+                [1, 1, 2]), tf.ones([1, 2, N])),  # Inner dimension 2.
+            tf.cast(outer, tf.float64),
+            _batch_matmul(tf.cast(a, tf.float64), tf.cast(b, tf.float64),
+                          True, False),  # float32 only.
+        ]
+        for g in kept:
+            assert outer_products.factor(g) is g, g.op.type
+        return 0
+
+    run(left, right)
+
+
+def _aggregate(left, right, other, *, written_out, l2_norm_clip=1.0,
+               **kwargs):
+    """clipped_masked_sum of [outer products, other] in a graph, with the
+    outer products factored or (behind an identity) written out."""
+
+    @tf.function
+    def run(a, b, o):
+        g = _batch_matmul(a, b, True, False)
+        if written_out:
+            g = tf.identity(g)
+        return agg.clipped_masked_sum([g, o], l2_norm_clip=l2_norm_clip,
+                                      **kwargs)
+
+    return run(tf.constant(left), tf.constant(right), tf.constant(other))
+
+
+# 1, 9 and 20 rows pad the fused row sum; 64 fills it.
+@pytest.mark.parametrize('batch', [1, 9, 20, 64])
+@pytest.mark.parametrize('q2, c_inf', [(0.5, 0.05), (0.25, None),
+                                       (1.0, 0.05), (1.0, None)])
+@pytest.mark.parametrize('jit_compile', [True, False])
+def test_factored_sum_equals_the_written_out_sum(batch, q2, c_inf,
+                                                 jit_compile):
+    left, right = _factors(batch, seed=batch)
+    other = np.random.default_rng(7).standard_normal(
+        (batch, 3)).astype(np.float32)
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(3))
+    kwargs = dict(linf_norm_clip=c_inf, coordinate_sampling_rate=q2, key=key,
+                  example_offset=5, jit_compile=jit_compile,
+                  weights=np.linspace(0, 1, batch).astype(np.float32))
+    factored = _aggregate(left, right, other, written_out=False, **kwargs)
+    written = _aggregate(left, right, other, written_out=True, **kwargs)
+    # The same masks and clip factors; the norms round differently.
+    for got, want in zip(factored, written):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_explicit_masks_apply_to_the_factored_gradients():
+    left, right = _factors(5, seed=4)
+    other = np.ones((5, 3), np.float32)
+    rng = np.random.default_rng(8)
+    masks = [rng.random((5, M, N)) < 0.5, rng.random((5, 3)) < 0.5]
+    kwargs = dict(linf_norm_clip=0.1, coordinate_sampling_rate=0.5,
+                  masks=masks)
+    factored = _aggregate(left, right, other, written_out=False, **kwargs)
+    written = _aggregate(left, right, other, written_out=True, **kwargs)
+    for got, want in zip(factored, written):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('c_inf', [None, 5e-5])
+@pytest.mark.parametrize('written_out', [False, True])
+def test_norms_at_the_float32_extremes(c_inf, written_out):
+    # Row 0: left 1e19, right 1e-23: every product is 1e-4 (norm 5.9e-4,
+    # above c2), but right's squares (1e-46) underflow in float32, so a
+    # float32 norm of the factors would be 0 and leave the row unclipped.
+    # Row 1: 1e30 against 1e-30, products 1. Row 2: a NaN. Row 3: products
+    # 1e38, finite, but the norm overflows. Row 4: ordinary.
+    left = np.ones((5, M), np.float32)
+    right = np.ones((5, N), np.float32)
+    left[0], right[0] = 1e19, 1e-23
+    left[1], right[1] = 1e30, 1e-30
+    left[2, 3] = np.nan
+    left[3], right[3] = 1e19, 1e19
+    c2 = 3e-4
+    for row in range(5):
+        contribution = np.asarray(_aggregate(
+            left, right, np.zeros((5, 1), np.float32), written_out=written_out,
+            l2_norm_clip=c2, linf_norm_clip=c_inf,
+            weights=np.eye(5, dtype=np.float32)[row])[0], np.float64)
+        if row in (2, 3):  # A non-finite norm: the row is dropped.
+            np.testing.assert_array_equal(contribution, 0)
+        elif c_inf is None:  # Clipped to the l2 bound.
+            np.testing.assert_allclose(np.linalg.norm(contribution), c2,
+                                       rtol=1e-5)
+        else:  # Every coordinate at c_inf, below c2 / sqrt(35).
+            np.testing.assert_allclose(contribution, c_inf, rtol=1e-6)
+
+
+def test_written_out_gradients_are_never_computed():
+    # The speed of the factored path: nothing reads the [B, m, n] tensor,
+    # so TensorFlow prunes the op that would write it.
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(3))
+    graph_outer = []
+
+    @tf.function(input_signature=[tf.TensorSpec([None, M], tf.float32),
+                                  tf.TensorSpec([None, N], tf.float32)])
+    def run(a, b):
+        g = _batch_matmul(a, b, True, False)
+        graph_outer.append(g)
+        for q2, c_inf in [(0.5, 0.1), (1.0, None), (1.0, 0.1)]:
+            agg.clipped_masked_sum([g], l2_norm_clip=1.0,
+                                   linf_norm_clip=c_inf,
+                                   coordinate_sampling_rate=q2, key=key,
+                                   weights=tf.ones([tf.shape(a)[0]]))
+        return 0
+
+    run.get_concrete_function()
+    assert graph_outer[0].consumers() == []
