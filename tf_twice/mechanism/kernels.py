@@ -146,11 +146,8 @@ def _clip_and_mask(
         c_inf = tf.constant(linf_norm_clip, x.dtype)
         x = tf.clip_by_value(x * _per_row(scale, x), -c_inf, c_inf)
     if mask is None and mask_words is not None:
-        mask = tf.reshape(
-            randomness.masks_from_words(mask_words,
-                                        _num_elements(x.shape[1:]),
-                                        coordinate_sampling_rate),
-            tf.shape(x))
+        mask = randomness.masks_from_words(mask_words, x.shape[1:],
+                                           coordinate_sampling_rate)
     if mask is not None:
         x = tf.where(mask, x, tf.zeros_like(x))
     return x
