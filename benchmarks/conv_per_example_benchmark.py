@@ -1,21 +1,25 @@
-"""Per-example conv kernel gradients: four constructions against the batch's.
+"""Per-example conv kernel gradients: five constructions against the batch's.
 
 A DP step needs each example's kernel gradient of every conv layer; a
 non-private step needs only their sum (one ``Conv2DBackpropFilter``). On
 ResNet22 this is where the DP step loses most of its time. This benchmark
 times, on ResNet22's conv shapes (or the reference CNN's, ``--model
 small_cnn``, with SAME padding here where the model has VALID), the summed
-gradient (the non-private floor) and four ways to get the per-example
+gradient (the non-private floor) and five ways to get the per-example
 gradients:
 
   * ``tf_twice``: what ``tf_twice.keras.per_example.gradients`` runs,
     ``tf.vectorized_map`` with ``tf_twice.keras.vectorized_backprop``'s
-    conversion (one batched matrix product per kernel tap);
+    conversion (on a CPU whose kernel takes groups, the grouped
+    convolution below for at most ``GROUPED_MAX_CHANNELS`` input channels;
+    otherwise one batched matrix product per kernel tap);
   * ``vectorized_map``: ``tf.vectorized_map`` as TensorFlow converts
     ``Conv2DBackpropFilter``, a ``while_loop`` over the examples (the "uses
     a while_loop" warning);
   * ``depthwise``: each example's gradient as one depthwise convolution of
     the input (channels and batch swapped) with the output gradient;
+  * ``grouped``: one grouped convolution gradient whose groups are the
+    examples (what ``tf_twice`` runs for few channels on such a CPU);
   * ``patches``: ``extract_patches`` then one ``einsum`` per batch.
 
 Each construction is checked against ``vectorized_map`` first. Timings are
@@ -47,7 +51,7 @@ KERNEL = 3
 
 
 def constructions(x: tf.Tensor, dy: tf.Tensor):
-    """The summed gradient and the three per-example constructions."""
+    """The summed gradient and the per-example constructions."""
     batch, _, _, channels = x.shape
     filters = dy.shape[-1]
     sizes = [KERNEL, KERNEL, channels, filters]
@@ -83,6 +87,19 @@ def constructions(x: tf.Tensor, dy: tf.Tensor):
         out = tf.reshape(out, [channels, KERNEL, KERNEL, batch, filters])
         return tf.transpose(out, [3, 1, 2, 0, 4])
 
+    def grouped():
+        # Examples as groups of one convolution: input [1, h, w, batch *
+        # channels], output gradient [1, h, w, batch * filters].
+        def stack(t):
+            return tf.reshape(tf.transpose(t, [1, 2, 0, 3]),
+                              [1] + t.shape[1:3].as_list() + [-1])
+        out = tf.raw_ops.Conv2DBackpropFilter(
+            input=stack(x), filter_sizes=[KERNEL, KERNEL, channels,
+                                          batch * filters],
+            out_backprop=stack(dy), strides=[1, 1, 1, 1], padding='SAME')
+        out = tf.reshape(out, [KERNEL, KERNEL, channels, batch, filters])
+        return tf.transpose(out, [3, 0, 1, 2, 4])
+
     def patches():
         p = tf.image.extract_patches(x, [1, KERNEL, KERNEL, 1], [1, 1, 1, 1],
                                      [1, 1, 1, 1], 'SAME')
@@ -92,7 +109,7 @@ def constructions(x: tf.Tensor, dy: tf.Tensor):
     return {name: tf.function(fn) for name, fn in (
         ('summed', summed), ('tf_twice', tf_twice),
         ('vectorized_map', vectorized_map), ('depthwise', depthwise),
-        ('patches', patches))}
+        ('grouped', grouped), ('patches', patches))}
 
 
 def main() -> None:
@@ -107,8 +124,8 @@ def main() -> None:
     print(f'{args.model}, batch {args.batch_size}; seconds per call relative '
           'to the summed gradient (paired, median of rounds)')
     print('| input | summed ms | tf_twice | vectorized_map | depthwise | '
-          'patches |')
-    print('|---|---:|---:|---:|---:|---:|')
+          'grouped | patches |')
+    print('|---|---:|---:|---:|---:|---:|---:|')
     for side, channels, filters in SHAPES[args.model]:
         x = tf.constant(rng.normal(size=(args.batch_size, side, side,
                                          channels)), tf.float32)
@@ -118,7 +135,7 @@ def main() -> None:
         reference = fns['vectorized_map']().numpy()
         np.testing.assert_allclose(reference.sum(0), fns['summed']().numpy(),
                                    rtol=1e-3, atol=1e-2)
-        for name in ('tf_twice', 'depthwise', 'patches'):
+        for name in ('tf_twice', 'depthwise', 'grouped', 'patches'):
             np.testing.assert_allclose(fns[name]().numpy(), reference,
                                        rtol=1e-3, atol=1e-2, err_msg=name)
         seconds = paired_rounds.time_rounds(

@@ -4,8 +4,10 @@ Each example's gradients from `per_example.gradients` (which attaches
 `vectorized_backprop`'s converters under `tf.vectorized_map`) must equal the
 ones computed for that example alone, eagerly, by TensorFlow's own
 gradients, for every padding, stride, dilation and kernel or pool shape a
-Keras Conv2D, Conv1D or MaxPool2D takes; the converter must really be the
-one that ran; and a NaN in one example must not reach another's gradient.
+Keras Conv2D, Conv1D or MaxPool2D takes, by both constructions of a conv
+kernel's gradients (one grouped convolution, or one matrix product per
+kernel tap); the converter must really be the one that ran; and a NaN in
+one example must not reach another's gradient.
 """
 
 import numpy as np
@@ -47,6 +49,33 @@ def _one_at_a_time(model, x, y):
     return [np.stack(column) for column in zip(*rows)]
 
 
+@pytest.fixture(params=['grouped', 'taps'])
+def construction(request, monkeypatch):
+    """Runs a test with each construction of conv kernel gradients, and
+    lists the convs the grouped one converted."""
+    grouped = []
+    if request.param == 'grouped':
+        if not vectorized_backprop._grouped_applies(1, tf.float32):
+            pytest.skip('this CPU kernel takes no grouped convolution (or a '
+                        'GPU is visible)')
+
+        def counted(*args):
+            grouped.append(args[-1])
+            return convert(*args)
+
+        convert = vectorized_backprop._grouped_filter_gradients
+        monkeypatch.setattr(vectorized_backprop, '_grouped_filter_gradients',
+                            counted)
+    else:
+        monkeypatch.setattr(vectorized_backprop, 'GROUPED_MAX_CHANNELS', 0)
+    return request.param, grouped
+
+
+def _check_construction(construction, convs=1):
+    name, grouped = construction
+    assert len(grouped) == (convs if name == 'grouped' else 0)
+
+
 def _count_conversions(monkeypatch, op_type='Conv2DBackpropFilter'):
     """Lists 'ours' / 'stock' for each conversion of ``op_type`` by this
     module's converter and by the one TensorFlow registers (which ours hands
@@ -80,7 +109,8 @@ CONV2D = [
 
 @pytest.mark.parametrize('options', CONV2D, ids=str)
 def test_conv2d_kernel_gradients_equal_each_example_alone(monkeypatch,
-                                                          options):
+                                                          options,
+                                                          construction):
     shape = (9, 8, 3)
     model = _model(tf.keras.layers.Conv2D(4, **options), shape)
     x, y = _data(shape)
@@ -88,6 +118,7 @@ def test_conv2d_kernel_gradients_equal_each_example_alone(monkeypatch,
     got = tf.function(lambda x, y: per_example.gradients(
         model, LOSS, x, y).gradients)(x, y)
     assert calls == ['ours']
+    _check_construction(construction)
     for g, want in zip(got, _one_at_a_time(model, x, y)):
         np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
 
@@ -95,13 +126,32 @@ def test_conv2d_kernel_gradients_equal_each_example_alone(monkeypatch,
 @pytest.mark.parametrize('options', [dict(kernel_size=3, padding='causal'),
                                      dict(kernel_size=2, strides=2)], ids=str)
 def test_conv1d_kernel_gradients_equal_each_example_alone(monkeypatch,
-                                                          options):
+                                                          options,
+                                                          construction):
     shape = (11, 2)
     model = _model(tf.keras.layers.Conv1D(3, **options), shape)
     x, y = _data(shape)
     calls = _count_conversions(monkeypatch)
     got = per_example.gradients(model, LOSS, x, y).gradients
     assert calls == ['ours']
+    _check_construction(construction)
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
+def test_a_conv_over_time_steps_sums_each_examples_steps(monkeypatch,
+                                                         construction):
+    # TimeDistributed: each example's conv sees a batch of 3 time steps,
+    # whose kernel gradients add up within the example.
+    shape = (3, 6, 5, 2)
+    model = _model(tf.keras.layers.TimeDistributed(
+        tf.keras.layers.Conv2D(3, 3, padding='same', strides=(2, 1))), shape)
+    x, y = _data(shape)
+    calls = _count_conversions(monkeypatch)
+    got = per_example.gradients(model, LOSS, x, y).gradients
+    # Keras 2 runs the conv once on the steps, Keras 3 once per step.
+    assert calls in (['ours'], ['ours'] * 3)
+    _check_construction(construction, convs=len(calls))
     for g, want in zip(got, _one_at_a_time(model, x, y)):
         np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
 
@@ -128,7 +178,7 @@ def test_max_pool_gradients_equal_each_example_alone(monkeypatch, options):
 
 
 @pytest.mark.parametrize('value', [np.nan, np.inf])
-def test_a_non_finite_example_leaves_the_others_exact(value):
+def test_a_non_finite_example_leaves_the_others_exact(value, construction):
     shape = (8, 8, 2)
     model = tf.keras.Sequential([
         tf.keras.Input(shape=shape),
@@ -140,6 +190,7 @@ def test_a_non_finite_example_leaves_the_others_exact(value):
     want = _one_at_a_time(model, x, y)
     x[2, 3, 3, 1] = value
     got = per_example.gradients(model, LOSS, x, y).gradients
+    _check_construction(construction)
     # The bad value reaches its own example's gradients, so a conversion
     # that mixed examples would spread it (inf: through the pool's output,
     # whose weighted sum in the Dense layer is NaN).
