@@ -55,7 +55,7 @@ def construction(request, monkeypatch):
     lists the convs the grouped one converted."""
     grouped = []
     if request.param == 'grouped':
-        if not vectorized_backprop._grouped_applies(1, tf.float32):
+        if not vectorized_backprop._grouped_applies(1, tf.float32, b'SAME'):
             pytest.skip('this CPU kernel takes no grouped convolution (or a '
                         'GPU is visible)')
 
@@ -152,6 +152,35 @@ def test_a_conv_over_time_steps_sums_each_examples_steps(monkeypatch,
     # Keras 2 runs the conv once on the steps, Keras 3 once per step.
     assert calls in (['ours'], ['ours'] * 3)
     _check_construction(construction, convs=len(calls))
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
+class _ExplicitlyPaddedConv(tf.keras.layers.Layer):
+    """A conv whose padding is given row by row (padding='EXPLICIT')."""
+
+    def __init__(self, strides):
+        super().__init__()
+        self.strides = strides
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(name='kernel', shape=(3, 2, 3, 4))
+
+    def call(self, x):
+        return tf.nn.conv2d(x, self.kernel, self.strides,
+                            [[0, 0], [1, 2], [0, 1], [0, 0]])
+
+
+@pytest.mark.parametrize('strides', [1, 2])
+def test_explicit_padding_runs_the_taps(monkeypatch, strides, construction):
+    # The grouped construction does not take explicit padding on a CPU.
+    shape = (9, 8, 3)
+    model = _model(_ExplicitlyPaddedConv(strides), shape)
+    x, y = _data(shape)
+    calls = _count_conversions(monkeypatch)
+    got = per_example.gradients(model, LOSS, x, y).gradients
+    assert calls == ['ours']
+    _check_construction(construction, convs=0)
     for g, want in zip(got, _one_at_a_time(model, x, y)):
         np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
 

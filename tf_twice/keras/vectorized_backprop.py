@@ -12,7 +12,8 @@ reference CNN (`benchmarks/conv_per_example_benchmark.py`, per-op traces):
 
   - one grouped ``Conv2DBackpropFilter`` with the examples as its groups
     (input [b, h, w, examples * channels]): on a CPU whose kernel takes
-    groups (oneDNN's), for float32 convs of at most 16 input channels,
+    groups (oneDNN's), for float32 convs of at most 16 input channels
+    padded SAME or VALID (oneDNN's kernel takes no explicit padding),
     where it beat the taps below by 8-27 % on the reference CNN's and
     ResNet22's shapes (`benchmarks/conv_per_example_benchmark.py`; with 32
     and 64 channels it lost by 7-35 %); or
@@ -104,17 +105,20 @@ def _cpu_takes_grouped_filter_gradients() -> bool:
     return True
 
 
-def _grouped_applies(channels: int, dtype: tf.DType) -> bool:
+def _grouped_applies(channels: int, dtype: tf.DType, padding: bytes) -> bool:
     # Measured on CPUs only: where a GPU could run the op, the taps stay.
+    # oneDNN's kernel does not take explicit padding; TensorFlow's, which
+    # then runs, takes no groups.
     return (dtype == tf.float32 and channels <= GROUPED_MAX_CHANNELS
+            and padding != b'EXPLICIT'
             and not tf.config.list_logical_devices('GPU')
             and _cpu_takes_grouped_filter_gradients())
 
 
 def _grouped_filter_gradients(pfor_input, inputs, grads, kernel_size):
     """[examples, kh, kw, channels, filters]: one grouped convolution whose
-    group e is example e, with the op's own strides, padding and
-    dilations. Group e reads example e's channels alone."""
+    group e is example e, with the op's own strides, padding (SAME or
+    VALID) and dilations. Group e reads example e's channels alone."""
     kh, kw, channels, filters = kernel_size
     examples = tf.shape(inputs)[0]
 
@@ -129,7 +133,6 @@ def _grouped_filter_gradients(pfor_input, inputs, grads, kernel_size):
         out_backprop=examples_as_channels(grads),
         strides=pfor_input.get_attr('strides'),
         padding=pfor_input.get_attr('padding'),
-        explicit_paddings=pfor_input.get_attr('explicit_paddings'),
         dilations=pfor_input.get_attr('dilations'),
         data_format='NHWC')
     kernel = tf.reshape(kernel, [kh, kw, channels, examples, filters])
@@ -150,7 +153,8 @@ def _convert_conv2d_backprop_filter(pfor_input):
             or inputs.shape[-1] != kernel_size[2]):
         return _stock(pfor_input)
     kh, kw, channels, filters = (int(k) for k in kernel_size)
-    if _grouped_applies(channels, grads.dtype):
+    if _grouped_applies(channels, grads.dtype,
+                        pfor_input.get_attr('padding')):
         return _grouped_filter_gradients(pfor_input, inputs, grads,
                                          (kh, kw, channels, filters))
     (out_h, out_w) = out_shape
