@@ -168,6 +168,27 @@ def test_norms_at_the_float32_extremes(c_inf, written_out):
             np.testing.assert_allclose(contribution, c_inf, rtol=1e-6)
 
 
+@pytest.mark.parametrize('q2, c_inf', [(1.0, None), (0.5, None),
+                                       (1.0, 1.0)])
+def test_a_tiny_factor_times_the_clip_factor_is_exact(q2, c_inf):
+    # ||g|| = 1e-30 * 3e38 = 3e8 and c2 = 2.1e-7: the clip factor times
+    # left (7e-46) is subnormal in float32, though no entry of g or of the
+    # clipped g is. Formed in float32 it is flushed to 0 on this CPU (the
+    # row dropped) or rounded to 1.4e-45 where subnormals are kept (the
+    # contribution doubled past c2).
+    left = np.array([[1e-30, 0, 0]], np.float32)
+    right = np.array([[3e38, 0]], np.float32)
+    c2 = 2.144e-7
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(1))
+    factored, written = (np.asarray(_aggregate(
+        left, right, np.zeros((1, 1), np.float32), written_out=w,
+        l2_norm_clip=c2, linf_norm_clip=c_inf, coordinate_sampling_rate=q2,
+        key=key)[0], np.float64) for w in (False, True))
+    np.testing.assert_allclose(factored, written, rtol=1e-6)
+    if q2 == 1:  # Nothing masked: the contribution is clipped to c2.
+        np.testing.assert_allclose(np.linalg.norm(factored), c2, rtol=1e-6)
+
+
 def test_written_out_gradients_are_never_computed():
     # The speed of the factored path: nothing reads the [B, m, n] tensor,
     # so TensorFlow prunes the op that would write it.

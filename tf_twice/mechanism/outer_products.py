@@ -54,9 +54,18 @@ class OuterProducts(NamedTuple):
         return self.left[:, :, None] * self.right[:, None, :]
 
     def weighted_sum(self, coef: tf.Tensor) -> tf.Tensor:
-        """sum_i coef_i g_i, [m, n]: one matrix product."""
-        return tf.matmul(self.left * coef[:, None], self.right,
-                         transpose_a=True)
+        """sum_i coef_i g_i, [m, n]: one matrix product, in float64.
+
+        In float32, coef_i left_i could fall below the normal range where
+        no entry of g_i or coef_i g_i does: rounded there (e.g. to the
+        smallest subnormal), it can double an example's contribution past
+        c2, or flush it to 0. In float64 a product of float32 numbers and
+        a clip factor stays normal.
+        """
+        left = tf.cast(self.left, tf.float64) * tf.cast(coef, tf.float64)[
+            :, None]
+        return tf.cast(tf.matmul(left, tf.cast(self.right, tf.float64),
+                                 transpose_a=True), self.dtype)
 
     def drop(self, keep: tf.Tensor) -> 'OuterProducts':
         """Rows where ``keep`` is false set to 0 in both factors (0 * NaN
