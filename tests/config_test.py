@@ -42,6 +42,8 @@ def test_importing_the_config_does_not_import_tensorflow():
     (dict(coordinate_sampling_rate=2**-17), r'mask resolution'),
     (dict(l2_norm_clip=-1), r'l2_norm_clip must be a finite number > 0'),
     (dict(l2_norm_clip=math.inf), r'l2_norm_clip must be a finite number > 0'),
+    (dict(l2_norm_clip=1e-20), r'l2_norm_clip must be a finite number > 0 '
+                               r'in \[1e-12, 1e\+30\]'),
     (dict(linf_norm_clip=0), r'linf_norm_clip must be a finite number > 0'),
     (dict(noise_multiplier=-0.1), r'noise_multiplier must be a finite '
                                   r'number >= 0'),

@@ -39,6 +39,19 @@ def test_refusals_name_the_argument_and_the_range(check, values, message):
             check('x', value)
 
 
+def test_an_l2_clip_is_refused_where_float32_cannot_hold_its_square():
+    for value in (1e-12, 0.5, 1e30):
+        assert _validate.l2_clip('c2', value) == value
+    for value in (1e-13, 1e-30, 2e30, 1e39):
+        with pytest.raises(ValueError, match=r'c2 must be a finite number '
+                           r'> 0 in \[1e-12, 1e\+30\] \(a float32'):
+            _validate.l2_clip('c2', value)
+    for value in (0, -1.0, INF, NAN):
+        with pytest.raises(ValueError, match=r'c2 must be a finite number '
+                           r'> 0; got'):
+            _validate.l2_clip('c2', value)
+
+
 @pytest.mark.parametrize('check', [_validate.real, _validate.positive,
                                    _validate.non_negative, _validate.rate,
                                    _validate.probability])

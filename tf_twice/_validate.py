@@ -41,6 +41,28 @@ def positive(name: str, value: Any) -> float:
     return value
 
 
+# The range of an l2 clip bound c2. Below it, a float32 squared norm can be
+# 0 for a gradient of norm up to 1.1e-19 sqrt(d) (its squares flush to 0),
+# which the clip would then leave unclipped; above it, c2 and the noise
+# std overflow float32.
+L2_CLIP_RANGE = (1e-12, 1e30)
+
+
+def l2_clip(name: str, value: Any) -> float:
+    """An l2 clip bound: a float in `L2_CLIP_RANGE`."""
+    value = _number(name, value)
+    low, high = L2_CLIP_RANGE
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f'{name} must be a finite number > 0; got {value}.')
+    if not low <= value <= high:
+        raise ValueError(
+            f'{name} must be a finite number > 0 in [{low:g}, {high:g}] '
+            '(a float32 squared norm below ~1e-38 flushes to 0, so a smaller '
+            'bound could leave tiny gradients unclipped; a larger one '
+            f'overflows float32); got {value}.')
+    return value
+
+
 def non_negative(name: str, value: Any) -> float:
     """A finite float >= 0."""
     value = _number(name, value)

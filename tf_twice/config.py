@@ -109,7 +109,7 @@ class Block:
 
     Attributes:
       l2_norm_clip: c2 > 0, the l2 bound of one example's vector in the
-        block.
+        block, in ``_validate.L2_CLIP_RANGE`` ([1e-12, 1e30]).
       noise_multiplier: z; the noise std on every coordinate is z * c2.
         None: to be chosen by ``TwiceSamplingConfig.calibrate``. Must be
         > 0 unless the config is explicitly ``non_private``.
@@ -119,7 +119,7 @@ class Block:
         or the residual's d), or None; it can only tighten the accounting.
     """
     l2_norm_clip: float = attr.ib(
-        converter=lambda v: _validate.positive('l2_norm_clip', v))
+        converter=lambda v: _validate.l2_clip('l2_norm_clip', v))
     noise_multiplier: Optional[float] = attr.ib(
         default=None,
         converter=_optional(_validate.non_negative, 'noise_multiplier'))

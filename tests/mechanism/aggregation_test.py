@@ -339,6 +339,7 @@ def test_randomness_is_required():
 @pytest.mark.parametrize('kwargs, name', [
     (dict(l2_norm_clip=0.0), 'l2_norm_clip'),
     (dict(l2_norm_clip=float('nan')), 'l2_norm_clip'),
+    (dict(l2_norm_clip=1e-20), 'l2_norm_clip'),  # Its square is 0.
     (dict(linf_norm_clip=-1.0), 'linf_norm_clip'),
     (dict(noise_multiplier=-0.1), 'noise_multiplier'),
     (dict(coordinate_sampling_rate=0.0), 'coordinate_sampling_rate'),

@@ -43,7 +43,7 @@ def validate_params(
     allowed here: the config decides whether a run may be noise-free.
     """
     if l2_norm_clip is not None:
-        _validate.positive('l2_norm_clip', l2_norm_clip)
+        _validate.l2_clip('l2_norm_clip', l2_norm_clip)
     if linf_norm_clip is not None:
         _validate.positive('linf_norm_clip', linf_norm_clip)
     if noise_multiplier is not None:
