@@ -1,11 +1,11 @@
-"""Per-example conv kernel gradients: five constructions against the batch's.
+"""Per-example conv kernel gradients: six constructions against the batch's.
 
 A DP step needs each example's kernel gradient of every conv layer; a
 non-private step needs only their sum (one ``Conv2DBackpropFilter``). On
 ResNet22 this is where the DP step loses most of its time. This benchmark
 times, on ResNet22's conv shapes (or the reference CNN's, ``--model
 small_cnn``, with SAME padding here where the model has VALID), the summed
-gradient (the non-private floor) and five ways to get the per-example
+gradient (the non-private floor) and six ways to get the per-example
 gradients:
 
   * ``tf_twice``: what ``tf_twice.keras.per_example.gradients`` runs,
@@ -13,6 +13,8 @@ gradients:
     conversion (on a CPU whose kernel takes groups, the grouped
     convolution below for at most ``GROUPED_MAX_CHANNELS`` input channels;
     otherwise one batched matrix product per kernel tap);
+  * ``taps``: the same conversion held to the taps (``GROUPED_MAX_CHANNELS``
+    set to 0 while it is traced);
   * ``vectorized_map``: ``tf.vectorized_map`` as TensorFlow converts
     ``Conv2DBackpropFilter``, a ``while_loop`` over the examples (the "uses
     a while_loop" warning);
@@ -23,8 +25,9 @@ gradients:
   * ``patches``: ``extract_patches`` then one ``einsum`` per batch.
 
 Each construction is checked against ``vectorized_map`` first. Timings are
-paired: every round times every construction once (rotated order), and a
-ratio is the median over rounds of the ratio within a round. Usage:
+paired, in CPU time: every round times every construction once (rotated
+order), and a ratio is the median over rounds of the ratio within a round.
+Usage:
 
   python benchmarks/conv_per_example_benchmark.py [--batch-size 32]
       [--model resnet22|small_cnn]
@@ -33,6 +36,7 @@ ratio is the median over rounds of the ratio within a round. Usage:
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -76,6 +80,11 @@ def constructions(x: tf.Tensor, dy: tf.Tensor):
                 return one(pair)
         return tf.vectorized_map(converted, (x, dy))
 
+    def taps():
+        with mock.patch.object(vectorized_backprop, 'GROUPED_MAX_CHANNELS',
+                               0):
+            return tf_twice()
+
     def depthwise():
         pad = KERNEL // 2
         padded = tf.pad(x, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
@@ -107,7 +116,7 @@ def constructions(x: tf.Tensor, dy: tf.Tensor):
                           [batch] + sizes)
 
     return {name: tf.function(fn) for name, fn in (
-        ('summed', summed), ('tf_twice', tf_twice),
+        ('summed', summed), ('tf_twice', tf_twice), ('taps', taps),
         ('vectorized_map', vectorized_map), ('depthwise', depthwise),
         ('grouped', grouped), ('patches', patches))}
 
@@ -115,17 +124,17 @@ def constructions(x: tf.Tensor, dy: tf.Tensor):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--batch-size', type=int, default=32)
-    parser.add_argument('--rounds', type=int, default=5)
+    parser.add_argument('--rounds', type=int, default=9)
     parser.add_argument('--calls', type=int, default=10)
     parser.add_argument('--model', choices=sorted(SHAPES),
                         default='resnet22')
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print(f'{args.model}, batch {args.batch_size}; seconds per call relative '
-          'to the summed gradient (paired, median of rounds)')
-    print('| input | summed ms | tf_twice | vectorized_map | depthwise | '
-          'grouped | patches |')
-    print('|---|---:|---:|---:|---:|---:|---:|')
+    print(f'{args.model}, batch {args.batch_size}; CPU seconds per call '
+          'relative to the summed gradient (paired, median of rounds)')
+    print('| input | summed CPU ms | tf_twice | taps | vectorized_map | '
+          'depthwise | grouped | patches |')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|')
     for side, channels, filters in SHAPES[args.model]:
         x = tf.constant(rng.normal(size=(args.batch_size, side, side,
                                          channels)), tf.float32)
@@ -135,11 +144,11 @@ def main() -> None:
         reference = fns['vectorized_map']().numpy()
         np.testing.assert_allclose(reference.sum(0), fns['summed']().numpy(),
                                    rtol=1e-3, atol=1e-2)
-        for name in ('tf_twice', 'depthwise', 'grouped', 'patches'):
+        for name in ('tf_twice', 'taps', 'depthwise', 'grouped', 'patches'):
             np.testing.assert_allclose(fns[name]().numpy(), reference,
                                        rtol=1e-3, atol=1e-2, err_msg=name)
         seconds = paired_rounds.time_rounds(
-            fns, rounds=args.rounds, calls=args.calls, clock=time.perf_counter)
+            fns, rounds=args.rounds, calls=args.calls, clock=time.process_time)
         ratios = ' | '.join(
             f'{paired_rounds.median_ratio(seconds, name, "summed"):.2f}x'
             for name in list(fns)[1:])  # The header's columns, in order.

@@ -6,13 +6,16 @@ CNN, or ResNet22 with ``--model resnet22``; random data, CPU), times:
   * ``summed gradient``: one batched backward pass of the chunk's summed
     loss, what non-private training computes;
   * ``per-example (tf_twice)``: ``tf_twice.keras.per_example.gradients``,
-    what every DP path runs, with ``vectorized_backprop``'s conversions;
+    what every DP path runs, with ``vectorized_backprop``'s conversions,
+    every gradient written out;
   * ``per-example (TensorFlow)``: the same per-example pass as TensorFlow
     converts it alone (conv kernel gradients in a while_loop);
-  * ``clip-mask-sum q2=1``: ``clipped_masked_sum`` of the chunk's
-    per-example gradients, standard DP-SGD;
-  * ``clip-mask-sum q2=0.5 linf=0.1``: the same with twice sampling and an
-    l-infinity clip (the extra pass over the [P, d] gradients is the
+  * ``DP chunk q2=1``: the per-example gradients and their
+    ``clipped_masked_sum`` in one function, as the DP step runs them
+    (a dense kernel's gradients are then read from their factors and never
+    written out, ``tf_twice.mechanism.outer_products``), standard DP-SGD;
+  * ``DP chunk q2=0.5 linf=0.1``: the same with twice sampling and an
+    l-infinity clip (its excess over ``DP chunk q2=1`` is the
     twice-sampling overhead).
 
 Timings are paired: every round times every part once (rotated order) in
@@ -60,20 +63,19 @@ def parts(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
         tensorflow_only = tf.function(per_example_gradients)
         tensorflow_only.get_concrete_function()  # Traced without them.
     with_conversions = tf.function(per_example_gradients)
-    grads = [tf.constant(g) for g in with_conversions()]
     key = randomness.draw_step_key(tf.random.Generator.from_seed(0))
 
-    def clip_mask_sum(twice):
+    def dp_chunk(twice):
         return lambda: aggregation.clipped_masked_sum(
-            grads, l2_norm_clip=L2_CLIP,
+            per_example_gradients(), l2_norm_clip=L2_CLIP,
             linf_norm_clip=LINF_CLIP if twice else None,
             coordinate_sampling_rate=0.5 if twice else 1.0, key=key)
 
     return {'summed gradient': tf.function(summed),
             'per-example (tf_twice)': with_conversions,
             'per-example (TensorFlow)': tensorflow_only,
-            'clip-mask-sum q2=1': tf.function(clip_mask_sum(False)),
-            'clip-mask-sum q2=0.5 linf=0.1': tf.function(clip_mask_sum(True))}
+            'DP chunk q2=1': tf.function(dp_chunk(False)),
+            'DP chunk q2=0.5 linf=0.1': tf.function(dp_chunk(True))}
 
 
 def main() -> None:

@@ -14,9 +14,10 @@ reference CNN (`benchmarks/conv_per_example_benchmark.py`, per-op traces):
     (input [b, h, w, examples * channels]): on a CPU whose kernel takes
     groups (oneDNN's), for float32 convs of at most 16 input channels
     padded SAME or VALID (oneDNN's kernel takes no explicit padding),
-    where it beat the taps below by 8-27 % on the reference CNN's and
-    ResNet22's shapes (`benchmarks/conv_per_example_benchmark.py`; with 32
-    and 64 channels it lost by 7-35 %); or
+    where it took 0.71-0.85x the CPU time of the taps below on the
+    reference CNN's and ResNet22's shapes (64 examples,
+    `benchmarks/conv_per_example_benchmark.py`; with 32 and 64 channels
+    1.03-1.42x); or
   - kh * kw batched matrix products: the gradient of kernel tap (i, j) is
     the example's padded input shifted by the tap, times its output
     gradient, summed over output positions (and over the rows of the
