@@ -50,10 +50,8 @@ L2_CLIP_RANGE = (1e-12, 1e30)
 
 def l2_clip(name: str, value: Any) -> float:
     """An l2 clip bound: a float in `L2_CLIP_RANGE`."""
-    value = _number(name, value)
+    value = positive(name, value)
     low, high = L2_CLIP_RANGE
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f'{name} must be a finite number > 0; got {value}.')
     if not low <= value <= high:
         raise ValueError(
             f'{name} must be a finite number > 0 in [{low:g}, {high:g}] '

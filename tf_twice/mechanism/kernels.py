@@ -99,32 +99,28 @@ def clip_scale(sq_norm: tf.Tensor, finite: tf.Tensor,
     return tf.where(finite, c2 / tf.maximum(norm, c2), tf.zeros_like(norm))
 
 
+def _per_row(v: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
+    """[B] -> [B, 1, ...], broadcasting against x [B, ...]."""
+    return tf.reshape(v, [-1] + [1] * (x.shape.rank - 1))
+
+
+def _zero_rows(x: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+    return tf.where(_per_row(keep, x), x, tf.zeros_like(x))
+
+
 def drop_non_finite(grads: Sequence[PerExample],
                      finite: tf.Tensor) -> List[PerExample]:
     # 0 * NaN is NaN, so non-finite examples must be zeroed, not scaled. The
     # full-size select only runs when such an example is present; factors
-    # are small and always selected.
+    # are small and always selected (both: 0 * NaN is NaN).
     tensors = [g for g in grads if not isinstance(g, OuterProducts)]
-
-    def _zeroed():
-        out = []
-        for g in tensors:
-            keep = tf.reshape(finite, [-1] + [1] * (g.shape.rank - 1))
-            out.append(tf.where(keep, g, tf.zeros_like(g)))
-        return out
-
     if tensors:
         tensors = tf.cond(
             tf.reduce_all(finite), lambda: [tf.identity(g) for g in tensors],
-            _zeroed)
+            lambda: [_zero_rows(g, finite) for g in tensors])
     tensors = iter(tensors)
-    return [g.drop(finite) if isinstance(g, OuterProducts) else next(tensors)
-            for g in grads]
-
-
-def _per_row(v: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
-    """[B] -> [B, 1, ...], broadcasting against x [B, ...]."""
-    return tf.reshape(v, [-1] + [1] * (x.shape.rank - 1))
+    return [OuterProducts(*(_zero_rows(t, finite) for t in g))
+            if isinstance(g, OuterProducts) else next(tensors) for g in grads]
 
 
 def _clip_and_mask(
@@ -294,7 +290,8 @@ def sum_block(
         factored = isinstance(g, OuterProducts)
         if factored and (mask is not None or (elementwise
                                               and not jit_compile)):
-            g, factored = g.materialize(), False  # Tests' explicit masks.
+            # Explicit masks (tests) or no XLA: the written-out path.
+            g, factored = g.materialize(), False
         words = None
         if mask is None and coordinate_sampling_rate < 1:
             words = randomness.row_mask_words(

@@ -67,12 +67,6 @@ class OuterProducts(NamedTuple):
         return tf.cast(tf.matmul(left, tf.cast(self.right, tf.float64),
                                  transpose_a=True), self.dtype)
 
-    def drop(self, keep: tf.Tensor) -> 'OuterProducts':
-        """Rows where ``keep`` is false set to 0 in both factors (0 * NaN
-        is NaN, so a dropped row must not be merely scaled)."""
-        return OuterProducts(*(tf.where(keep[:, None], t, tf.zeros_like(t))
-                               for t in (self.left, self.right)))
-
 
 PerExample = Union[tf.Tensor, OuterProducts]
 
