@@ -150,7 +150,7 @@ def _build(x, y, n: int, *, physical_batch_size, example_sampling_rate,
         raise ValueError(f'repeat must be True or False; got {repeat!r}.')
     if repeat and steps is not None:
         raise ValueError('steps must be None when repeat=True (the dataset '
-                         'is infinite); got steps={steps!r}.')
+                         f'is infinite); got steps={steps!r}.')
     if not repeat:
         steps = (schedule.steps_per_epoch if steps is None
                  else _validate.integer('steps', steps, 1))
