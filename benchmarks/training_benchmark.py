@@ -65,6 +65,7 @@ from tf_twice import sampling  # noqa: E402
 from tf_twice.config import TwiceSamplingConfig  # noqa: E402
 from tf_twice.keras import DPModel  # noqa: E402
 from tf_twice.keras import default_physical_batch_size  # noqa: E402
+from tf_twice.keras import per_example  # noqa: E402
 
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
@@ -152,6 +153,18 @@ def poisson_dataset(batch: int, seed: int = 0) -> tf.data.Dataset:
                                     repeat=True, seed=seed)
 
 
+def every_last_chunk_size(model: DPModel) -> tf.data.Dataset:
+    """Batches of P + u, P + 2u, ..., 2P rows (P the physical batch size,
+    u its padding unit): their last chunks take every size that a Poisson
+    batch's last chunk is padded to (`per_example.chunk_of`)."""
+    chunk = model.physical_batch_size
+    unit = per_example.padding_unit(chunk)
+    x, y = (tf.constant(a) for a in _random_examples(2 * chunk))
+    sizes = np.arange(chunk + unit, 2 * chunk + 1, unit, dtype=np.int32)
+    return tf.data.Dataset.from_tensor_slices(sizes).map(
+        lambda k: (x[:k], y[:k], tf.ones([k], tf.float32)))
+
+
 def build(name: str, batch: int, physical: Optional[int]
           ) -> tf.keras.Model:
     """Builds and compiles the model of one benchmark configuration."""
@@ -200,7 +213,7 @@ def time_fit(model: tf.keras.Model, dataset: tf.data.Dataset,
 
 # The twice-sampling step's speed target against non-private fit, per model.
 TWICE_TARGET = {'small_cnn': 0.5, 'resnet22': 0.9}
-# Enough Poisson batches to meet (nearly) every last-chunk size bucket.
+# Steps that warm up what the first one did not trace.
 WARM_UP_STEPS = 12
 TWICE = 'fast path q2=0.5 linf=0.1'
 TWICE_FIXED = TWICE + ' fixed B'  # The same model on fixed batches of B.
@@ -231,14 +244,18 @@ def throughput(args) -> Dict[str, List[tuple]]:
     for name in fast + slow:
         models[name] = build(name, batch, physical)
         # The first fit traces (and compiles) the train function; a second
-        # one warms up the rest: Poisson batches of other sizes, whose last
-        # chunk has a new row count, for which XLA compiles the twice-
-        # sampling kernels once per multiple of 8 rows (a one-time cost:
-        # 8 compiles of 0.3-0.5 CPU-seconds at physical batch 64).
+        # one warms up the rest. Then every size a Poisson batch's last
+        # chunk can have, for which XLA compiles the twice-sampling kernels
+        # once each (a one-time cost: 8 compiles of 0.3-0.5 CPU-seconds at
+        # physical batch 64). Twelve Poisson steps had left some sizes
+        # unseen: three compiles fell in the first eleven timed steps,
+        # about 5 CPU-ms per step over 200 steps.
         models[name].fit(data[name], steps_per_epoch=1, epochs=1, verbose=0)
         if name in fast:
             models[name].fit(data[name], steps_per_epoch=WARM_UP_STEPS,
                              epochs=1, verbose=0)
+        if data[name] is poisson and isinstance(models[name], DPModel):
+            models[name].fit(every_last_chunk_size(models[name]), verbose=0)
     for name in slow:
         results[name] = [time_fit(models[name], data[name], args.slow_steps,
                                   batch)]
