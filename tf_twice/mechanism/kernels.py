@@ -15,7 +15,7 @@ how a logical batch is split into microbatches.
 
 import math
 import re
-from typing import List, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 # Public TensorFlow has no test for "inside an XLA-compiled function".
@@ -230,29 +230,58 @@ def _outer_clip_mask_and_sum(
                               linf_norm_clip)
 
 
+class _Job(NamedTuple):
+    """One tensor's share of `_clip_mask_and_sum_all`: its [B, d] gradients
+    or their (left, right) outer-product factors, and its explicit masks or
+    mask words (or neither)."""
+    gradients: Union[tf.Tensor, Tuple[tf.Tensor, tf.Tensor]]
+    mask: Optional[tf.Tensor]
+    mask_words: Optional[tf.Tensor]
+
+
+def _clip_mask_and_sum_all(
+    jobs: Sequence[_Job],
+    scale: tf.Tensor,
+    coef: Optional[tf.Tensor],
+    coordinate_sampling_rate: float,
+    linf_norm_clip: Optional[float],
+) -> List[tf.Tensor]:
+    """`_clip_mask_and_sum` of every tensor of a block, for one XLA kernel
+    launch per block and chunk instead of one per tensor."""
+    return [
+        _outer_clip_mask_and_sum(*job.gradients, scale, coef, job.mask_words,
+                                 coordinate_sampling_rate, linf_norm_clip)
+        if isinstance(job.gradients, tuple) else
+        _clip_mask_and_sum(job.gradients, scale, coef, job.mask,
+                           job.mask_words, coordinate_sampling_rate,
+                           linf_norm_clip)
+        for job in jobs]
+
+
 # Unpacking the mask bits, clipping, selection and the sum over examples in
 # one XLA kernel: on CPU it avoids materialising the masks and [B, d]
 # intermediates (the twice-sampling pass about halves against an XLA
-# elementwise kernel followed by a matrix-vector product).
-_clip_mask_and_sum_fused = tf.function(_clip_mask_and_sum, jit_compile=True)
-_outer_clip_mask_and_sum_fused = tf.function(_outer_clip_mask_and_sum,
-                                             jit_compile=True)
+# elementwise kernel followed by a matrix-vector product). All tensors of a
+# block in one kernel: a launch has a fixed cost, and one per tensor made
+# the reference CNN's block of 8 tensors 1.10-1.16x slower per chunk.
+_clip_mask_and_sum_all_fused = tf.function(_clip_mask_and_sum_all,
+                                           jit_compile=True)
 
 
-def _pad_rows(tensors: Sequence[Optional[tf.Tensor]]
-              ) -> List[Optional[tf.Tensor]]:
-    """Zero rows up to a multiple of 8, as `_sum_rows` needs. XLA compiles
-    its kernel once per row count (300-500 ms CPU for the reference CNN's
-    tensors), so this also bounds the compiles where a Poisson batch is
-    aggregated whole (`clipped_masked_sum` in a custom loop: a new count at
-    almost every step; DPModel's chunks already come in at most 8 sizes,
+def _pad_rows(tensors: Any) -> Any:
+    """Zero rows up to a multiple of 8, as `_sum_rows` needs, for every
+    tensor of the nest (None stays None). XLA compiles its kernel once per
+    row count (300-500 ms CPU for the reference CNN's tensors), so this also
+    bounds the compiles where a Poisson batch is aggregated whole
+    (`clipped_masked_sum` in a custom loop: a new count at almost every
+    step; DPModel's chunks already come in at most 8 sizes,
     `per_example.chunk_of`). Zero rows (zero gradient, scale, weight, mask
     words) contribute nothing; padding by 0 rows forwards the tensor."""
-    rows = tf.shape(tensors[0])[0]
-    extra = (-rows) % _ROW_SLICES
-    return [None if t is None else
-            tf.pad(t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1))
-            for t in tensors]
+    flat = [t for t in tf.nest.flatten(tensors) if t is not None]
+    extra = (-tf.shape(flat[0])[0]) % _ROW_SLICES
+    return tf.nest.map_structure(
+        lambda t: None if t is None else tf.pad(
+            t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1)), tensors)
 
 
 def sum_block(
@@ -273,18 +302,19 @@ def sum_block(
     ``randomness.mask_stream(block, k)``.
     """
     offset = tf.cast(example_offset, tf.int64)
-    sums = []
+    if linf_norm_clip is None:
+        # Masking commutes with a per-row scale: it joins the weights.
+        coef = scale if weights is None else scale * weights
+    else:
+        coef = weights
+    sums: List[Optional[tf.Tensor]] = [None] * len(grads)
+    jobs: List[Tuple[int, _Job]] = []  # For the XLA kernel.
     for k, g in enumerate(grads):
         d = _num_elements(g.shape[1:])
         if d == 0:  # E.g. a group with no column in this principal block.
-            sums.append(tf.zeros(g.shape[1:], g.dtype))
+            sums[k] = tf.zeros(g.shape[1:], g.dtype)
             continue
         mask = None if masks is None else tf.reshape(masks[k], [-1, d])
-        if linf_norm_clip is None:
-            # Masking commutes with a per-row scale: it joins the weights.
-            coef = scale if weights is None else scale * weights
-        else:
-            coef = weights
         elementwise = not (linf_norm_clip is None
                            and coordinate_sampling_rate >= 1 and mask is None)
         factored = isinstance(g, OuterProducts)
@@ -298,25 +328,26 @@ def sum_block(
                 key, randomness.mask_stream(block, k),
                 tf.shape(g.left if factored else g)[0], offset, d,
                 coordinate_sampling_rate)
-        if factored:
-            total = (_outer_clip_mask_and_sum_fused(
-                *_pad_rows([g.left, g.right, scale, coef, words]),
-                coordinate_sampling_rate, linf_norm_clip) if elementwise
-                     else g.weighted_sum(coef))
-            sums.append(tf.reshape(total, g.shape[1:]))
+        if elementwise and jit_compile:
+            jobs.append((k, _Job((g.left, g.right) if factored else
+                                 tf.reshape(g, [-1, d]), mask, words)))
             continue
-        flat = tf.reshape(g, [-1, d])
-        if not elementwise:
+        if factored:
+            total = g.weighted_sum(coef)
+        elif not elementwise:
             # Nothing elementwise: one matrix-vector product.
-            total = tf.linalg.matvec(flat, coef, transpose_a=True)
-        elif jit_compile:
-            total = _clip_mask_and_sum_fused(
-                *_pad_rows([flat, scale, coef, mask, words]),
-                coordinate_sampling_rate, linf_norm_clip)
+            total = tf.linalg.matvec(tf.reshape(g, [-1, d]), coef,
+                                     transpose_a=True)
         else:
-            flat = _clip_and_mask(flat, scale, mask, words,
+            flat = _clip_and_mask(tf.reshape(g, [-1, d]), scale, mask, words,
                                   coordinate_sampling_rate, linf_norm_clip)
             total = (tf.reduce_sum(flat, axis=0) if coef is None else
                      tf.linalg.matvec(flat, coef, transpose_a=True))
-        sums.append(tf.reshape(total, g.shape[1:]))
+        sums[k] = tf.reshape(total, g.shape[1:])
+    if jobs:
+        padded = _pad_rows(([job for _, job in jobs], scale, coef))
+        totals = _clip_mask_and_sum_all_fused(
+            *padded, coordinate_sampling_rate, linf_norm_clip)
+        for (k, _), total in zip(jobs, totals):
+            sums[k] = tf.reshape(total, grads[k].shape[1:])
     return sums
