@@ -32,9 +32,11 @@ def _reference_masks(words, d, q2):
 @pytest.mark.parametrize('q2', [0.5, 0.25, 0.0625, 3 / 256, 1 / 3])
 # Last axes of 8, 16 and 24 hold whole bytes at every rate, and 32 and 64
 # whole 32-bit words at rates of 1 bit (8 and 16 at rates of 4 and 2 bits);
-# 5, 7 and 1 do not (the masks are split flat); () is one coordinate.
+# 5, 7 and 1 do not (the masks are split flat); () is one coordinate;
+# (0,), (3, 0) and (0, 32) none.
 @pytest.mark.parametrize('shape', [(3, 8), (2, 3, 24), (16,), (2, 64),
-                                   (32,), (3, 5), (7,), (4, 1), ()])
+                                   (32,), (3, 5), (7,), (4, 1), (),
+                                   (0,), (3, 0), (0, 32)])
 @pytest.mark.parametrize('jit_compile', [False, True])
 def test_each_coordinate_reads_its_own_bits(q2, shape, jit_compile):
     d = math.prod(shape)

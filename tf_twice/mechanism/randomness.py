@@ -141,6 +141,8 @@ def masks_from_words(words, shape, q2):
     """
     shape = [int(s) for s in shape]
     d = math.prod(shape)
+    if d == 0:  # No coordinate: nothing to read (and no unit to lay out).
+        return tf.zeros(tf.concat([tf.shape(words)[:1], shape], 0), tf.bool)
     bits = mask_bits_per_coordinate(q2)
     threshold = int(effective_coordinate_sampling_rate(q2) * 2**bits)
     last = shape[-1] if shape else 1
