@@ -232,9 +232,9 @@ def _outer_clip_mask_and_sum(
 
 class _Job(NamedTuple):
     """One tensor's share of `_clip_mask_and_sum_all`: its [B, d] gradients
-    or their (left, right) outer-product factors, and its explicit masks or
-    mask words (or neither)."""
-    gradients: Union[tf.Tensor, Tuple[tf.Tensor, tf.Tensor]]
+    or their outer-product factors, and its explicit masks or mask words
+    (or neither)."""
+    gradients: Union[tf.Tensor, OuterProducts]
     mask: Optional[tf.Tensor]
     mask_words: Optional[tf.Tensor]
 
@@ -251,7 +251,7 @@ def _clip_mask_and_sum_all(
     return [
         _outer_clip_mask_and_sum(*job.gradients, scale, coef, job.mask_words,
                                  coordinate_sampling_rate, linf_norm_clip)
-        if isinstance(job.gradients, tuple) else
+        if isinstance(job.gradients, OuterProducts) else
         _clip_mask_and_sum(job.gradients, scale, coef, job.mask,
                            job.mask_words, coordinate_sampling_rate,
                            linf_norm_clip)
@@ -329,8 +329,8 @@ def sum_block(
                 tf.shape(g.left if factored else g)[0], offset, d,
                 coordinate_sampling_rate)
         if elementwise and jit_compile:
-            jobs.append((k, _Job((g.left, g.right) if factored else
-                                 tf.reshape(g, [-1, d]), mask, words)))
+            jobs.append((k, _Job(g if factored else tf.reshape(g, [-1, d]),
+                                 mask, words)))
             continue
         if factored:
             total = g.weighted_sum(coef)
