@@ -32,13 +32,10 @@ import os
 import tempfile
 from typing import Dict
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from tf_twice import models
-from tf_twice.config import TwiceSamplingConfig
-from tf_twice.keras import DPModel
+import training_benchmark  # Beside this script.
 
 GROUPS = ('conv forward', 'conv input gradients', 'conv kernel gradients',
           'matrix products', 'pooling', 'random bits and noise', 'other ops',
@@ -98,27 +95,11 @@ def profile(train_function, iterator, steps: int) -> Dict[str, float]:
     return ms
 
 
-def configurations(model_name: str, batch: int):
-    """(name, compiled model) of each profiled configuration."""
-    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    def reference():
-        tf.keras.utils.set_random_seed(0)
-        return models.build_model(model_name, input_shape=(32, 32, 3),
-                                  num_classes=10)
-
-    plain = reference()
-    plain.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss=loss)
-    yield 'non-private', plain
-    for name, q2, linf in (('DP q2=1', 1.0, None),
-                           ('DP q2=0.5 linf=0.1', 0.5, 0.1)):
-        config = TwiceSamplingConfig.single(
-            num_examples=16 * batch, expected_batch_size=batch,
-            l2_norm_clip=1.0, noise_multiplier=1.0, linf_norm_clip=linf,
-            coordinate_sampling_rate=q2)
-        private = DPModel(reference(), config, seed=0)
-        private.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss=loss)
-        yield name, private
+# The profiled configurations, built as `training_benchmark` builds them
+# (same model, mechanism, optimizer and loss), under this script's labels.
+CONFIGURATIONS = {'non-private': 'non-private fit',
+                  'DP q2=1': 'fast path q2=1',
+                  'DP q2=0.5 linf=0.1': training_benchmark.TWICE}
 
 
 def main() -> None:
@@ -130,17 +111,16 @@ def main() -> None:
     parser.add_argument('--steps', type=int, default=20)
     args = parser.parse_args()
     batch = args.batch_size or (256 if args.model == 'small_cnn' else 128)
-    rng = np.random.default_rng(0)
-    x = rng.random((batch, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, batch)
+    training_benchmark.MODEL[0] = args.model
     table = {}
-    for name, model in configurations(args.model, batch):
-        iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+    for label, name in CONFIGURATIONS.items():
+        model = training_benchmark.build(name, batch, None)
+        iterator = iter(training_benchmark.fixed_batches(batch, 1))
         # Keras 2 returns the function; Keras 3 keeps it on the model.
         train_function = model.make_train_function() or model.train_function
         for _ in range(5):  # Traced and compiled before profiling.
             train_function(iterator)
-        table[name] = profile(train_function, iterator, args.steps)
+        table[label] = profile(train_function, iterator, args.steps)
     print(f'{args.model}, batch {batch}, TensorFlow {tf.__version__}: CPU '
           f'ms per step (profiled, mean of {args.steps} steps)')
     print(f'  {"":24s}' + ''.join(f'{name:>20s}' for name in table))
