@@ -81,6 +81,19 @@ def test_update_does_not_depend_on_the_number_of_replicas(results, path):
 
 
 @pytest.mark.parametrize('path', PATHS)
+def test_conv_update_with_extreme_records_does_not_depend_on_replicas(
+        results, path):
+    single = np.array(results['0']['noiseless_conv'][path])
+    assert np.isfinite(single).all()  # The NaN and 1e38 rows are dropped.
+    assert np.abs(single).max() > 1e-3
+    for replicas in ('1', '2', '4'):
+        got = np.array(results[replicas]['noiseless_conv'][path])
+        assert np.isfinite(got).all(), f'R={replicas}'
+        np.testing.assert_allclose(got, single, rtol=1e-5, atol=1e-6,
+                                   err_msg=f'R={replicas}')
+
+
+@pytest.mark.parametrize('path', PATHS)
 def test_noise_is_added_once_per_logical_batch(results, path):
     for replicas in ('0', '1', '2', '4'):
         got = results[replicas]['noise'][path]

@@ -27,6 +27,7 @@ if not _MULTI_WORKER:
 # pylint: disable=wrong-import-position
 from tests import markers  # noqa: E402
 from tests import tiny_models  # noqa: E402
+from tf_twice import models  # noqa: E402
 from tf_twice import optimizers  # noqa: E402
 from tf_twice import sampling  # noqa: E402
 from tf_twice.config import TwiceSamplingConfig  # noqa: E402
@@ -85,6 +86,31 @@ def noiseless_update(replicas, path, strategy=None):
     x, y = tiny_models.data(11, seed=3)
     with (strategy or _strategy(replicas)).scope():
         dp = _build(path, 0.0, tiny_models.mlp)
+        before = [w.numpy() for w in dp.trainable_variables]
+        dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
+        return np.concatenate([(w.numpy() - b).ravel() for w, b in
+                               zip(dp.trainable_variables, before)]).tolist()
+
+
+def _conv_model():
+    """The reference CNN's layers at 8x8x1 (conv kernels through the grouped
+    convolution where the CPU takes it, dense kernels as outer products)."""
+    tf.keras.utils.set_random_seed(0)
+    return models.small_cnn((8, 8, 1), num_classes=tiny_models.NUM_CLASSES,
+                            padding='same')
+
+
+def noiseless_conv_update(replicas, path):
+    """`noiseless_update` of a conv model whose batch holds an example of
+    NaN pixels and one of 1e38 pixels (non-finite gradients, which every
+    replica must drop from its own share alone)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((11, 8, 8, 1)).astype(np.float32)
+    x[2] = np.nan
+    x[7] = 1e38
+    y = rng.integers(0, tiny_models.NUM_CLASSES, 11)
+    with _strategy(replicas).scope():
+        dp = _build(path, 0.0, _conv_model)
         before = [w.numpy() for w in dp.trainable_variables]
         dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
         return np.concatenate([(w.numpy() - b).ravel() for w, b in
@@ -169,6 +195,7 @@ def main():
         replicas: {
             task: {path: fn(int(replicas), path) for path in PATHS}
             for task, fn in (('noiseless', noiseless_update),
+                             ('noiseless_conv', noiseless_conv_update),
                              ('noise', noise_std_and_ledger))}
         for replicas in sys.argv[1].split(',')}
     print('RESULT ' + json.dumps(result))
