@@ -25,10 +25,20 @@ from tf_twice.config import TwiceSamplingConfig
 from tf_twice.keras import DPModel
 
 LR, C2, Q2, B_EXP = 1.0, 0.01, 0.5, 4.0
-# Noise 0: not private, it isolates the clipped masked sum for the test.
-CONFIG = TwiceSamplingConfig.single(
-    num_examples=100, expected_batch_size=B_EXP, l2_norm_clip=C2,
-    noise_multiplier=0.0, coordinate_sampling_rate=Q2, non_private=True)
+# An l-infinity clip well below c2 (d0 = 16): where a non-finite row were
+# only scaled by 0, XLA's clamp would turn its NaN coordinates into
+# +-c_inf, a finite update of l2 norm c_inf sqrt(d) far above c2.
+C_INF = C2 / 4
+
+
+def _config(linf_norm_clip=None):
+    # Noise 0: not private, it isolates the clipped masked sum for the test.
+    return TwiceSamplingConfig.single(
+        num_examples=100, expected_batch_size=B_EXP, l2_norm_clip=C2,
+        linf_norm_clip=linf_norm_clip, noise_multiplier=0.0,
+        coordinate_sampling_rate=Q2, non_private=True)
+
+
 SEED = 5
 BAD_ROW = 2
 BAD_VALUES = {'nan': np.nan, 'inf': np.inf, 'huge': 1e38}
@@ -38,15 +48,16 @@ PATHS = ['model', pytest.param('optimizer',
                                marks=markers.needs_tf_privacy_optimizers)]
 
 
-def _private(inner, path):
+def _private(inner, path, linf_norm_clip=None):
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    config = _config(linf_norm_clip)
     if path == 'model':
-        dp = DPModel(inner, CONFIG, physical_batch_size=3, seed=SEED)
+        dp = DPModel(inner, config, physical_batch_size=3, seed=SEED)
         dp.compile(optimizer=tf.keras.optimizers.SGD(LR), loss=loss)
     else:
         dp = DPModel(inner, physical_batch_size=3)
         dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            CONFIG, learning_rate=LR, seed=SEED), loss=loss)
+            config, learning_rate=LR, seed=SEED), loss=loss)
     return dp
 
 
@@ -92,11 +103,12 @@ def _images(n, shape, seed=0):
     return x, rng.integers(0, 10, n)
 
 
+@pytest.mark.parametrize('linf_norm_clip', [None, C_INF])
 @pytest.mark.parametrize('path', PATHS)
-def test_small_cnn_rows_are_isolated(path):
+def test_small_cnn_rows_are_isolated(path, linf_norm_clip):
     x, y = _images(7, (8, 8, 1))
     inner = models.small_cnn((8, 8, 1), padding='same')
-    _check_isolation(_private(inner, path), x, y)
+    _check_isolation(_private(inner, path, linf_norm_clip), x, y)
 
 
 @pytest.mark.parametrize('path', PATHS)
