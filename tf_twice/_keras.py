@@ -30,8 +30,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ['KERAS_PACKAGE', 'KERAS_VERSION', 'KERAS_MAJOR', 'IS_KERAS_3',
            'NO_REDUCTION', 'problem', 'has_tf_privacy', 'is_no_reduction',
-           'steps_per_execution', 'is_legacy_optimizer', 'build_optimizer',
-           'save_legacy_optimizer', 'split_legacy_optimizer',
+           'steps_per_execution', 'record_call_inputs', 'is_legacy_optimizer',
+           'build_optimizer', 'save_legacy_optimizer', 'split_legacy_optimizer',
            'load_legacy_optimizer', 'compiled_metrics',
            'update_compiled_metrics', 'metric_results', 'state_from_adapt']
 
@@ -194,6 +194,17 @@ def steps_per_execution(model: Any) -> int:
     if hasattr(value, 'numpy'):
         value = value.numpy()
     return max(1, int(value))
+
+
+def record_call_inputs(model: Any, specs: Any) -> None:
+    """Keras 2: records the input specs (``tf.TensorSpec``) that
+    ``model.save(path, save_format='tf')`` traces ``call`` with, unless
+    some are recorded already. Keras 2 records them on the first
+    ``model(inputs)``; a train step that calls only a wrapped model must
+    record them itself (Keras 3 exports with ``model.export``)."""
+    set_spec = getattr(model, '_set_save_spec', None)
+    if not IS_KERAS_3 and set_spec is not None:
+        set_spec(specs)
 
 
 def is_legacy_optimizer(optimizer: Any) -> bool:

@@ -26,6 +26,7 @@ from tests import markers
 from tests import tiny_models
 
 from tf_twice import optimizers
+from tf_twice import sampling
 from tf_twice.config import TwiceSamplingConfig
 from tf_twice.keras import DPModel
 
@@ -163,6 +164,25 @@ def test_no_artifact_holds_the_key_stream(tmp_path, kind, path):
     for config in (dp.get_config(), dp.optimizer.get_config()):
         assert 'seed' not in config
         assert str(SEED) not in json.dumps(config, default=str)
+
+
+@markers.needs_keras_2
+def test_a_saved_model_is_written_right_after_fit(tmp_path):
+    # Keras 2's SavedModel traces `call` with the specs of the model's first
+    # call; DPModel's training never calls it, so before the fix a model
+    # trained and never called refused `save(..., save_format='tf')`.
+    x, y = tiny_models.data(12)
+    dp = DPModel(_mlp(), CONFIG, physical_batch_size=4)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
+    dp.fit(sampling.poisson_batches(x, y, physical_batch_size=4,
+                                    expected_batch_size=4.0, steps=2,
+                                    seed=0), epochs=1, verbose=0)
+    path = str(tmp_path / 'saved_model')
+    dp.save(path, save_format='tf')
+    restored = tf.keras.models.load_model(path, compile=False)
+    for rows in (1, 7):  # Any batch size, whatever the trained ones were.
+        np.testing.assert_allclose(restored(x[:rows]).numpy(),
+                                   dp(x[:rows]).numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_two_restores_of_one_checkpoint_draw_independent_noise(tmp_path):

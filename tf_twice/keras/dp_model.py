@@ -427,6 +427,10 @@ class DPModel(tf.keras.Model):
         if not self.inner_model.built:
             per_example.build(self.inner_model, x)
             self.built = True
+        # `call` never runs in training; a SavedModel traces it with these
+        # specs, any batch size (Poisson batches vary).
+        _keras.record_call_inputs(self, tf.nest.map_structure(
+            lambda t: tf.TensorSpec([None] + t.shape[1:], t.dtype), x))
         size = tf.shape(tf.nest.flatten(x)[0])[0]
         weights = per_example.example_weights(sample_weight, size,
                                                bounded=True)
