@@ -8,7 +8,8 @@ checked), on both training paths: each replica clips and masks its share
 of a logical batch with masks keyed by global position, and noise is added
 once per logical batch. So the noiseless update with coordinate sampling is
 the same for every R, the noise std is the calibrated one (not sqrt(R)
-times it), and the ledger charges one step per logical batch. The runs are
+times it), the ledger charges one step per logical batch, and saved weights
+load back into a model built under the strategy. The runs are
 separate processes (``distribution_worker``): logical devices must be set
 before TensorFlow initialises.
 """
@@ -91,6 +92,16 @@ def test_conv_update_with_extreme_records_does_not_depend_on_replicas(
         assert np.isfinite(got).all(), f'R={replicas}'
         np.testing.assert_allclose(got, single, rtol=1e-5, atol=1e-6,
                                    err_msg=f'R={replicas}')
+
+
+@pytest.mark.parametrize('path', PATHS)
+def test_saved_weights_load_under_the_strategy(results, path):
+    # Keras 2 assigned the file's values as they were, which the loss
+    # metric's variables (summed over replicas on read) refused.
+    for replicas in ('0', '1', '2', '4'):
+        got = results[replicas]['weights_reload'][path]
+        assert got == {'model.weights.h5': True, 'model.keras': True}, (
+            replicas, got)
 
 
 @pytest.mark.parametrize('path', PATHS)

@@ -13,6 +13,7 @@ A separate process, used by ``distribution_test``:
 import json
 import os
 import sys
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -117,6 +118,33 @@ def noiseless_conv_update(replicas, path):
                                zip(dp.trainable_variables, before)]).tolist()
 
 
+def weights_reload(replicas, path):
+    """Weights and optimizer state after a step, saved to ``.weights.h5``
+    and ``.keras`` and loaded into a new model built under the same
+    strategy: per file, True if every weight came back, else the error."""
+    x, y = tiny_models.data(11, seed=3)
+    result = {}
+    with _strategy(replicas).scope():
+        dp = _build(path, 1.0, tiny_models.mlp)
+        dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
+        for name in ('model.weights.h5', 'model.keras'):
+            saved = os.path.join(tempfile.mkdtemp(), name)
+            if name.endswith('.keras'):
+                dp.save(saved)
+            else:
+                dp.save_weights(saved)
+            restored = _build(path, 1.0, tiny_models.mlp)
+            restored(x[:0])  # Built, so that the file loads into it.
+            try:
+                restored.load_weights(saved)
+            except Exception as error:  # pylint: disable=broad-except
+                result[name] = f'{type(error).__name__}: {error}'[:500]
+                continue
+            result[name] = all(np.array_equal(a, b) for a, b in
+                               zip(restored.get_weights(), dp.get_weights()))
+    return result
+
+
 def noise_std_and_ledger(replicas, path):
     """Update std of zero-gradient steps (pure noise), and ledger steps."""
     z = 2.0
@@ -196,6 +224,7 @@ def main():
             task: {path: fn(int(replicas), path) for path in PATHS}
             for task, fn in (('noiseless', noiseless_update),
                              ('noiseless_conv', noiseless_conv_update),
+                             ('weights_reload', weights_reload),
                              ('noise', noise_std_and_ledger))}
         for replicas in sys.argv[1].split(',')}
     print('RESULT ' + json.dumps(result))

@@ -32,6 +32,7 @@ use XLA on their own).
 import logging
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_twice import _keras
@@ -54,6 +55,25 @@ __all__ = ['DPModel', 'default_physical_batch_size']
 _LOGGER = logging.getLogger(__name__)
 # Training logs computed on private batches without noise carry this prefix.
 NONPRIVATE_PREFIX = 'nonprivate_'
+
+
+class _Keras2LossMean(tf.keras.metrics.Mean):
+    """A Keras 2 mean whose saved state loads as numpy values: Keras 2
+    assigns a weights file's h5 datasets as they are, which a metric's
+    variables under a tf.distribute strategy (summed over replicas on read,
+    so divided on assignment) cannot take."""
+
+    def load_own_variables(self, store) -> None:
+        super().load_own_variables(
+            {key: np.asarray(store[key]) for key in store.keys()})
+
+
+def _loss_mean() -> tf.keras.metrics.Mean:
+    """The mean per-example loss of ``fit``'s logs (Keras 3 saves no
+    metric state)."""
+    if _keras.IS_KERAS_3:
+        return tf.keras.metrics.Mean(name='loss')
+    return _Keras2LossMean(name='loss')
 
 
 @tf.keras.utils.register_keras_serializable(package='tf_twice')
@@ -142,8 +162,7 @@ class DPModel(tf.keras.Model):
                 'give them to the optimizer.')
         # Not attributes Keras tracks: the tracker's state must not show up
         # in ``weights`` or the saved weights of the wrapped model.
-        object.__setattr__(self, '_example_loss_tracker',
-                           tf.keras.metrics.Mean(name='loss'))
+        object.__setattr__(self, '_example_loss_tracker', _loss_mean())
         # The wrapped model's state words now: a seeded stream follows its
         # seed only from this state (weights loaded later, before or after
         # compile, start another stream). None for a model built later.
