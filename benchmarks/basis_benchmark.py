@@ -28,35 +28,21 @@ import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
-from tf_twice import models  # noqa: E402
 from tf_twice.hybrid import block_statistics  # noqa: E402
 from tf_twice.hybrid import budget_splits  # noqa: E402
 from tf_twice.hybrid import learning  # noqa: E402
 from tf_twice.keras import basis_refresh  # noqa: E402
 from tf_twice.mechanism import basis as basis_lib  # noqa: E402
 
-IMAGE_SHAPE = (32, 32, 3)
-NUM_CLASSES = 10
-PAPER_RANKS = (250, 500, 1000, 1500)
+import reference_inputs  # noqa: E402  Beside this script.
+from reference_inputs import PAPER_RANKS  # noqa: E402
+
 RESNET22_DIM = 291898
-
-
-def reference_model() -> tf.keras.Model:
-    """The benchmarks' reference CNN (79,530 parameters on 32x32x3)."""
-    return models.small_cnn(IMAGE_SHAPE, NUM_CLASSES)
-
-
-def scaled_ranks(k: int):
-    """Ranks summing to k in the proportions of PAPER_RANKS."""
-    table = learning.split_group_ranks([k], list(PAPER_RANKS),
-                                       'proportional')
-    return [row[0] for row in table]
 
 
 def timed(fn, *args, **kwargs):
@@ -80,13 +66,11 @@ def main() -> None:
     args = parser.parse_args()
 
     tf.keras.utils.set_random_seed(0)
-    model = reference_model()
-    rng = np.random.default_rng(0)
-    x = rng.random((args.public,) + IMAGE_SHAPE, dtype=np.float32)
-    y = rng.integers(0, NUM_CLASSES, args.public)
+    model = reference_inputs.build_model()
+    x, y = reference_inputs.random_examples(args.public)
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     d = model.count_params()
-    ranks = scaled_ranks(args.k)
+    ranks = reference_inputs.scaled_ranks(args.k)
     print(f'Reference CNN: d = {d:,} parameters, '
           f'{len(model.trainable_variables)} variables; '
           f'{args.public} public examples; ranks {ranks} (k = {sum(ranks)}); '

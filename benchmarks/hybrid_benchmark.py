@@ -45,7 +45,6 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
-from tf_twice import models  # noqa: E402
 from tf_twice.config import Block, TwiceSamplingConfig  # noqa: E402
 from tf_twice.hybrid import budgets  # noqa: E402
 from tf_twice.hybrid import learning  # noqa: E402
@@ -53,9 +52,9 @@ from tf_twice.keras import DPModel  # noqa: E402
 from tf_twice.keras import basis_refresh  # noqa: E402
 from tf_twice.mechanism import basis as basis_lib  # noqa: E402
 
-IMAGE_SHAPE = (32, 32, 3)
-NUM_CLASSES = 10
-PAPER_RANKS = (250, 500, 1000, 1500)
+import reference_inputs  # noqa: E402  Beside this script.
+from reference_inputs import PAPER_RANKS  # noqa: E402
+
 L2_CLIP, LINF_CLIP, NOISE, Q2 = 1.0, 0.1, 1.0, 0.5
 
 
@@ -63,17 +62,8 @@ def _loss():
     return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def scaled_ranks(k: int) -> List[int]:
-    """Ranks summing to k in the proportions of PAPER_RANKS."""
-    table = learning.split_group_ranks([k], list(PAPER_RANKS),
-                                       'proportional')
-    return [row[0] for row in table]
-
-
 def _dataset(batch: int) -> tf.data.Dataset:
-    rng = np.random.default_rng(0)
-    x = rng.random((batch,) + IMAGE_SHAPE, dtype=np.float32)
-    y = rng.integers(0, NUM_CLASSES, batch)
+    x, y = reference_inputs.random_examples(batch)
     return tf.data.Dataset.from_tensors((x, y)).repeat()
 
 
@@ -132,16 +122,14 @@ def peak_rss_gib() -> float:
 
 def cnn(args) -> None:
     batch, k = args.batch_size, args.k
-    ranks = scaled_ranks(k)
+    ranks = reference_inputs.scaled_ranks(k)
     tf.keras.utils.set_random_seed(0)
-    probe = models.small_cnn(IMAGE_SHAPE, NUM_CLASSES)
+    probe = reference_inputs.build_model()
     d = probe.count_params()
     num_variables = len(probe.trainable_variables)
     print(f'Reference CNN: d = {d:,}; batch {batch} (one physical chunk); '
           f'q2 = {Q2}; k = {k}, ranks {ranks}; {os.cpu_count()} CPU cores')
-    rng = np.random.default_rng(1)
-    public = (rng.random((args.public,) + IMAGE_SHAPE, dtype=np.float32),
-              rng.integers(0, NUM_CLASSES, args.public))
+    public = reference_inputs.random_examples(args.public, seed=1)
     layers = learning.groups_by_layer(probe)
     groupings = [('1 group', None, 'sqrt'),
                  ('per layer, sqrt split', layers, 'sqrt'),
@@ -151,11 +139,11 @@ def cnn(args) -> None:
     configs: Dict[str, tf.keras.Model] = {}
     tf.keras.utils.set_random_seed(0)
     configs['no basis (twice sampling)'] = private_model(
-        models.small_cnn(IMAGE_SHAPE, NUM_CLASSES), batch, None)
+        reference_inputs.build_model(), batch, None)
     refresh_costs = {}
     for name, groups, split in groupings:
         tf.keras.utils.set_random_seed(0)
-        inner = models.small_cnn(IMAGE_SHAPE, NUM_CLASSES)
+        inner = reference_inputs.build_model()
         refresh = basis_refresh.BasisRefresh(
             inner, public, _loss(), every_steps=100, ranks=ranks,
             groups=groups, rank_split=split,
@@ -219,7 +207,7 @@ def resnet(args) -> None:
     batch = args.resnet_batch
     dataset = _dataset(batch)
     tf.keras.utils.set_random_seed(0)
-    probe = models.resnet22(IMAGE_SHAPE, NUM_CLASSES)
+    probe = reference_inputs.build_model('resnet22')
     d = probe.count_params()
     print(f'\nResNet22: d = {d:,}, {len(probe.trainable_variables)} '
           f'variables; ranks {PAPER_RANKS} (k = {sum(PAPER_RANKS):,}); '
@@ -228,7 +216,7 @@ def resnet(args) -> None:
     configs = {}
     for groups in [None] + list(args.resnet_groups):
         tf.keras.utils.set_random_seed(0)
-        inner = models.resnet22(IMAGE_SHAPE, NUM_CLASSES)
+        inner = reference_inputs.build_model('resnet22')
         basis = None
         if groups is not None:
             basis, t_basis = timed(random_basis, inner, groups)

@@ -61,7 +61,6 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
-from tf_twice import models  # noqa: E402
 from tf_twice import optimizers  # noqa: E402
 from tf_twice import sampling  # noqa: E402
 from tf_twice.config import TwiceSamplingConfig  # noqa: E402
@@ -69,8 +68,9 @@ from tf_twice.keras import DPModel  # noqa: E402
 from tf_twice.keras import default_physical_batch_size  # noqa: E402
 from tf_twice.keras import per_example  # noqa: E402
 
-IMAGE_SHAPE = (32, 32, 3)
-NUM_CLASSES = 10
+import reference_inputs  # noqa: E402  Beside this script.
+from reference_inputs import IMAGE_SHAPE, NUM_CLASSES  # noqa: E402
+
 L2_CLIP, LINF_CLIP, NOISE = 1.0, 0.1, 1.0
 
 
@@ -80,8 +80,7 @@ MODEL = ['small_cnn']
 
 def reference_model() -> tf.keras.Model:
     """The benchmarked model on 32x32x3 inputs (``--model``)."""
-    return models.build_model(MODEL[0], input_shape=IMAGE_SHAPE,
-                              num_classes=NUM_CLASSES)
+    return reference_inputs.build_model(MODEL[0])
 
 
 def _config(batch: int, twice: bool,
@@ -133,16 +132,9 @@ def _loss(per_example: bool):
 POISSON_POOL_FACTOR = 16
 
 
-def _random_examples(count: int):
-    rng = np.random.default_rng(0)
-    x = rng.random((count,) + IMAGE_SHAPE, dtype=np.float32)
-    y = rng.integers(0, NUM_CLASSES, count)
-    return x, y
-
-
 def fixed_batches(batch: int, num_batches: int) -> tf.data.Dataset:
     """Fixed-size batches, as non-private training reads them."""
-    x, y = _random_examples(batch * num_batches)
+    x, y = reference_inputs.random_examples(batch * num_batches)
     return (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache()
             .repeat())
 
@@ -150,7 +142,7 @@ def fixed_batches(batch: int, num_batches: int) -> tf.data.Dataset:
 def poisson_dataset(batch: int, seed: int = 0) -> tf.data.Dataset:
     """Real Poisson logical batches of expected size `batch` (unpadded)
     from n = POISSON_POOL_FACTOR * batch examples."""
-    x, y = _random_examples(POISSON_POOL_FACTOR * batch)
+    x, y = reference_inputs.random_examples(POISSON_POOL_FACTOR * batch)
     return sampling.poisson_batches(x, y, expected_batch_size=batch,
                                     repeat=True, seed=seed)
 
@@ -161,7 +153,8 @@ def every_last_chunk_size(model: DPModel) -> tf.data.Dataset:
     batch's last chunk is padded to (`per_example.chunk_of`)."""
     chunk = model.physical_batch_size
     unit = per_example.padding_unit(chunk)
-    x, y = (tf.constant(a) for a in _random_examples(2 * chunk))
+    x, y = (tf.constant(a)
+            for a in reference_inputs.random_examples(2 * chunk))
     sizes = np.arange(chunk + unit, 2 * chunk + 1, unit, dtype=np.int32)
     return tf.data.Dataset.from_tensor_slices(sizes).map(
         lambda k: (x[:k], y[:k], tf.ones([k], tf.float32)))
