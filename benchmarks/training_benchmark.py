@@ -35,7 +35,7 @@ twice sampling <= 10 % over q2 = 1; fast path >= 30x tf_privacy vectorized;
 Poisson overhead <= 1.1x; memory <= 1.2x. Usage:
 
   python benchmarks/training_benchmark.py            # full run
-  python benchmarks/training_benchmark.py --quick    # a minute or two
+  python benchmarks/training_benchmark.py --quick    # a smoke run, not figures
   python benchmarks/training_benchmark.py --model=resnet22 --batch-size=128 \
       --skip-slow --skip-memory                       # the ResNet22 ratio
   python benchmarks/training_benchmark.py --compare-physical=32,128 \
@@ -347,7 +347,9 @@ def main(argv=None) -> None:
     parser.add_argument('--memory-logical', type=int, default=4096)
     parser.add_argument('--memory-physical', type=int, default=256)
     parser.add_argument('--quick', action='store_true',
-                        help='steps=8, rounds=2, slow-steps=1')
+                        help='steps=8, rounds=2, slow-steps=1: checks that '
+                        'every configuration runs; too few rounds for '
+                        'figures')
     parser.add_argument('--memory-child', action='store_true',
                         help=argparse.SUPPRESS)
     parser.add_argument('--logical', type=int, help=argparse.SUPPRESS)
