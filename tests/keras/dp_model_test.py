@@ -501,12 +501,21 @@ def test_ledger_in_a_callback_list_is_found():
         dp.fit(_poisson(), callbacks=callbacks, verbose=0)
 
 
-def test_fit_without_ledger_trains_on_arrays():
+def test_fit_without_ledger_trains_on_arrays_loudly():
     dp = _private(_mlp())
-    with warnings.catch_warnings():
-        warnings.simplefilter('error', guards.NonPoissonInputWarning)
+    # No epsilon holds for fixed-size batches: said, not refused (nothing
+    # is accounted without a ledger, and no later ledger takes the weights).
+    with pytest.warns(guards.NonPoissonInputWarning,
+                      match='without a PrivacyLedger on input .ndarray.'):
         dp.fit(*_data(12), batch_size=6, epochs=1, verbose=0)
     assert int(dp.optimizer.iterations) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', guards.NonPoissonInputWarning)
+        dp.fit(_poisson(), epochs=1, verbose=0)  # Poisson input: silent.
+        # A non-private baseline claims no epsilon.
+        baseline = _private(_mlp(), config=_config(noise_multiplier=0.0,
+                                                   non_private=True))
+        baseline.fit(*_data(12), batch_size=6, epochs=1, verbose=0)
     with pytest.raises(ValueError, match='allow_non_poisson_input'):
         dp.fit(*_data(12), verbose=0, allow_non_poisson_input='yes')
 

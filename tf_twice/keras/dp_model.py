@@ -336,7 +336,11 @@ class DPModel(tf.keras.Model):
 
         Without a ledger, ``fit`` trains as ``tf.keras.Model.fit`` does and
         NOTHING IS ACCOUNTED: no epsilon holds unless the caller accounts
-        the steps (and their sampling) by other means.
+        the steps (and their sampling) by other means. On input that is
+        not Poisson-sampled for the config it warns
+        (``NonPoissonInputWarning``; not for a ``non_private`` config):
+        no epsilon holds for those steps, and no ledger accepts the
+        weights afterwards.
 
         Args:
           x, y, batch_size, epochs, verbose, callbacks, *args, **kwargs: as

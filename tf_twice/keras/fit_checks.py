@@ -4,7 +4,8 @@
 config's n at its q1, the ledger's event, no callback acting on a
 ``nonprivate_*`` log). ``check_fit`` runs those refusals and the ones that
 need no ledger: steps on input not known to be Poisson-sampled, run without
-a ledger, are marked so that no ledger attached later accounts them; a
+a ledger, are marked so that no ledger attached later accounts them (and
+warned about, unless the config is non-private); a
 multi-worker dataset that would sum an example once per
 worker, weights outside [0, 1], and layers that write statistics of their
 inputs into their state. The checks themselves live in ``guards``,
@@ -12,6 +13,7 @@ inputs into their state. The checks themselves live in ``guards``,
 composes them for ``fit``.
 """
 
+import warnings
 from typing import Any, Mapping, Sequence
 
 from tf_twice.keras import guards
@@ -54,6 +56,18 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
         # Nothing refuses these steps now, but no ledger attached later may
         # charge them as the config's Poisson steps: the weights keep them.
         model.aggregator.keys.mark_unverified()
+        if not model.config.non_private:
+            # Said loudly: an epsilon computed apart from a ledger (e.g. by
+            # the privacy statement for the planned steps) would not hold.
+            warnings.warn(
+                f'DPModel.fit without a PrivacyLedger on input '
+                f'({type(x).__name__}) that is not Poisson-sampled logical '
+                'batches for the config: these steps are not the config\'s '
+                'DP mechanism, so no epsilon computed for it holds for them, '
+                'and no PrivacyLedger will accept these weights later. Build '
+                'the input with tf_twice.sampling.poisson_batches(...) and '
+                'pass a PrivacyLedger in callbacks.',
+                guards.NonPoissonInputWarning, stacklevel=3)
     # Positional: validation_split, validation_data, shuffle,
     # class_weight, sample_weight (the same on Keras 2 and 3). class_weight
     # is checked where DPModel.fit applies it (class_weights).
