@@ -57,11 +57,14 @@ _LOGGER = logging.getLogger(__name__)
 NONPRIVATE_PREFIX = 'nonprivate_'
 
 
+@tf.keras.utils.register_keras_serializable(package='tf_twice',
+                                            name='LossMean')
 class _Keras2LossMean(tf.keras.metrics.Mean):
     """A Keras 2 mean whose saved state loads as numpy values: Keras 2
     assigns a weights file's h5 datasets as they are, which a metric's
     variables under a tf.distribute strategy (summed over replicas on read,
-    so divided on assignment) cannot take."""
+    so divided on assignment) cannot take. Registered: a SavedModel names
+    its class, and loading one looks the class up."""
 
     def load_own_variables(self, store) -> None:
         super().load_own_variables(
