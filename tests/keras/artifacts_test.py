@@ -187,6 +187,28 @@ def test_a_saved_model_is_written_right_after_fit(tmp_path):
                                    dp(x[:rows]).numpy(), rtol=1e-5, atol=1e-6)
 
 
+@markers.needs_keras_2
+@pytest.mark.parametrize('kind', ['weights_h5', 'keras'])
+def test_files_with_keras_own_loss_mean_load_both_ways(tmp_path, kind):
+    # Before tf_twice's own Mean, DPModel's loss metric was Keras's, whose
+    # saved entry Keras 2 names after the class: files of either load into
+    # the other.
+    def with_keras_mean(dp):
+        object.__setattr__(dp, '_example_loss_tracker',
+                           tf.keras.metrics.Mean(name='loss'))
+        return dp
+
+    for direction, (writer, reader) in enumerate((
+            (with_keras_mean(_dp_model()), _dp_model()),
+            (_dp_model(), with_keras_mean(_dp_model())))):
+        tiny_models.one_step(writer, *tiny_models.data(4))
+        directory = tmp_path / str(direction)
+        directory.mkdir()
+        _load(reader, kind, _save(writer, kind, str(directory)))
+        for got, want in zip(reader.get_weights(), writer.get_weights()):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_two_restores_of_one_checkpoint_draw_independent_noise(tmp_path):
     dp = _dp_model()
     tiny_models.one_step(dp, *tiny_models.data(4))

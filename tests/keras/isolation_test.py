@@ -26,8 +26,10 @@ from tf_twice.keras import DPModel
 
 LR, C2, Q2, B_EXP = 1.0, 0.01, 0.5, 4.0
 # An l-infinity clip well below c2 (d0 = 16): where a non-finite row were
-# only scaled by 0, XLA's clamp would turn its NaN coordinates into
-# +-c_inf, a finite update of l2 norm c_inf sqrt(d) far above c2.
+# only scaled by 0, XLA's clamp on TensorFlow 2.15 would turn each of its
+# NaN coordinates into +-c_inf, a finite update that only the bound on a
+# record's own contribution catches (an inf pixel: about 20x the bound);
+# 2.21's clamp keeps NaN, which the weight-0 comparison catches.
 C_INF = C2 / 4
 
 

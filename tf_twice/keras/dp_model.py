@@ -59,12 +59,14 @@ NONPRIVATE_PREFIX = 'nonprivate_'
 
 @tf.keras.utils.register_keras_serializable(package='tf_twice',
                                             name='LossMean')
-class _Keras2LossMean(tf.keras.metrics.Mean):
-    """A Keras 2 mean whose saved state loads as numpy values: Keras 2
+class Mean(tf.keras.metrics.Mean):
+    """Keras 2's mean, whose saved state loads as numpy values: Keras 2
     assigns a weights file's h5 datasets as they are, which a metric's
     variables under a tf.distribute strategy (summed over replicas on read,
-    so divided on assignment) cannot take. Registered: a SavedModel names
-    its class, and loading one looks the class up."""
+    so divided on assignment) cannot take. Named ``Mean`` because Keras 2
+    files name a metric's entry after its class (``metrics/mean``): files
+    written with Keras's own mean load into it, and its files into them.
+    Registered: a SavedModel names the class, and loading looks it up."""
 
     def load_own_variables(self, store) -> None:
         super().load_own_variables(
@@ -76,7 +78,7 @@ def _loss_mean() -> tf.keras.metrics.Mean:
     metric state)."""
     if _keras.IS_KERAS_3:
         return tf.keras.metrics.Mean(name='loss')
-    return _Keras2LossMean(name='loss')
+    return Mean(name='loss')
 
 
 @tf.keras.utils.register_keras_serializable(package='tf_twice')
