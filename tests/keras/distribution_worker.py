@@ -119,9 +119,10 @@ def noiseless_conv_update(replicas, path):
 
 
 def weights_reload(replicas, path):
-    """Weights and optimizer state after a step, saved to ``.weights.h5``
-    and ``.keras`` and loaded into a new model built under the same
-    strategy: per file, True if every weight came back, else the error."""
+    """The model's weights after a step (its step count and ledger binding
+    included), saved to ``.weights.h5`` and ``.keras`` and loaded into a new
+    model built under the same strategy: per file, True if every weight came
+    back, else the error."""
     x, y = tiny_models.data(11, seed=3)
     result = {}
     with _strategy(replicas).scope():
