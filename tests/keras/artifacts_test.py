@@ -188,6 +188,34 @@ def test_a_saved_model_is_written_right_after_fit(tmp_path):
 
 
 @markers.needs_keras_2
+@pytest.mark.parametrize('path', [
+    'model', pytest.param('optimizer',
+                          marks=markers.needs_tf_privacy_optimizers)])
+def test_a_saved_model_reloads_as_a_dp_model(tmp_path, path):
+    # Keras 2 revives a SavedModel from its class's config where that
+    # works, else as a generic model whose fit trains without DP and
+    # without a word; DPModel's config did not deserialize there.
+    x, y = tiny_models.data(12)
+    dp = _dp_model(path=path)
+
+    def batches():
+        return sampling.poisson_batches(x, y, physical_batch_size=4,
+                                        expected_batch_size=4.0, steps=2,
+                                        seed=0)
+
+    dp.fit(batches(), epochs=1, verbose=0)
+    saved = str(tmp_path / 'saved_model')
+    dp.save(saved, save_format='tf')
+    restored = tf.keras.models.load_model(saved)
+    assert isinstance(restored, DPModel)
+    assert restored.config == dp.config
+    assert int(restored.steps_taken) == int(dp.steps_taken) == 2
+    # It trains as a DPModel: its steps are counted.
+    restored.fit(batches(), epochs=1, verbose=0)
+    assert int(restored.steps_taken) == 4
+
+
+@markers.needs_keras_2
 @pytest.mark.parametrize('kind', ['weights_h5', 'keras'])
 def test_files_with_keras_own_loss_mean_load_both_ways(tmp_path, kind):
     # Before tf_twice's own Mean, DPModel's loss metric was Keras's, whose

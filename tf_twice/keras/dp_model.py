@@ -517,7 +517,11 @@ class DPModel(tf.keras.Model):
         ``DPModel.from_config({**config, 'basis': HybridBasis.load(path)})``.
         """
         config = dict(config)
-        model = tf.keras.utils.deserialize_keras_object(
+        # Keras's own deserializer for layers and models: inside Keras 2's
+        # SavedModel loader the generic one knows no Keras class
+        # ('Unknown object: Sequential'), and the loader then revived a
+        # generic model whose fit trains without DP.
+        model = tf.keras.layers.deserialize(
             config.pop('model'), custom_objects=custom_objects)
         if config.get('config') is not None:
             config['config'] = config_lib.TwiceSamplingConfig.from_dict(
