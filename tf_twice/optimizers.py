@@ -258,9 +258,14 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
                     'clipping is not covered by the twice-sampling analysis '
                     '(DPModel\'s physical_batch_size splits large batches '
                     'without changing the records).')
-            if isinstance(config, dict):  # From get_config (a .keras file).
+            # A dict comes from get_config, as Keras's loaders rebuild the
+            # optimizer: a hybrid one then refuses to train until set_basis
+            # (no artifact holds the basis).
+            from_artifact = isinstance(config, dict)
+            if from_artifact:
                 config = config_lib.TwiceSamplingConfig.from_dict(config)
-            aggregator = aggregator_lib.PrivateAggregator(config, basis, seed)
+            aggregator = aggregator_lib.PrivateAggregator(
+                config, basis, seed, awaiting_basis=from_artifact)
             gradient_accumulation_steps = _validate.integer(
                 'gradient_accumulation_steps', gradient_accumulation_steps, 1)
             config = aggregator.config

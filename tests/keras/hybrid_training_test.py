@@ -33,6 +33,7 @@ from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import basis_refresh
 from tf_twice.keras import guards
 from tf_twice.mechanism import aggregation as agg
+from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
 
 
@@ -198,11 +199,126 @@ def test_config_round_trip_with_a_basis():
     assert [b['l2_norm_clip'] for b in config['config']['blocks']] == [
         0.5, 0.3, 0.2]
     json.dumps({k: v for k, v in config.items() if k != 'model'})
-    with pytest.raises(ValueError, match='no basis is given'):
-        DPModel.from_config(config)
     clone = DPModel.from_config({**config, 'basis': basis})
     assert clone.config == dp.config and clone.basis is basis
     assert clone.dp_event() == dp.dp_event()
+    assert not clone.aggregator.awaiting_basis
+
+
+def _same_step(dp, reference, x, y):
+    # From the same weights and key state both models take the same step.
+    for v, w in zip(dp.inner_model.trainable_variables,
+                    _weights(reference)):
+        v.assign(w)
+    for model in (dp, reference):
+        tiny_models.fix_next_step_key(model)
+    start = _weights(reference)
+    tiny_models.one_step(dp, x, y)
+    tiny_models.one_step(reference, x, y)
+    assert not np.allclose(_weights(dp)[0], start[0])
+    _assert_all_close(_weights(dp), _weights(reference))
+
+
+@pytest.mark.parametrize('path', [
+    'model', pytest.param('optimizer',
+                          marks=markers.needs_tf_privacy_optimizers)])
+def test_rebuilt_from_its_config_a_hybrid_model_trains_only_with_a_basis(
+        path):
+    # Keras's loaders call from_config without a basis (no artifact holds
+    # it); raising there made Keras 2's SavedModel loader revive a generic
+    # model that trains without DP. Now the model comes back and refuses
+    # every step until set_basis.
+    basis = _basis()
+    x, y = _data(6, seed=3)
+    if path == 'model':
+        original = _fast(basis, 4)
+        rebuilt = DPModel.from_config(original.get_config())
+        rebuilt.compile(optimizer=tf.keras.optimizers.SGD(0.3),
+                        loss=_loss())
+    else:
+        original = DPModel(_mlp(), physical_batch_size=4)
+        original.compile(
+            optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+                HYBRID, learning_rate=0.3, basis=basis, seed=SEED),
+            loss=_loss())
+        optimizer = optimizers.TwiceSamplingDPKerasSGDOptimizer.from_config(
+            original.optimizer.get_config())
+        rebuilt = DPModel(_mlp(), physical_batch_size=4)
+        rebuilt.compile(optimizer=optimizer, loss=_loss())
+    assert rebuilt.aggregator.awaiting_basis and rebuilt.basis is None
+    assert rebuilt.config == original.config
+    assert rebuilt.dp_event() == original.dp_event()
+    before = _weights(rebuilt)
+    for run in (lambda: tiny_models.one_step(rebuilt, x, y),
+                lambda: rebuilt.train_step((x, y))):
+        with pytest.raises(ValueError, match='set_basis'):
+            run()
+    _assert_all_close(_weights(rebuilt), before)
+    # A basis of other block dimensions is refused.
+    other = learning.learn_basis(
+        basis_refresh.public_per_example_gradients(_mlp(), _loss(),
+                                                   *_data(32, seed=1)),
+        [2, 5], groups=GROUPS, seed=0)
+    assert other.block_dimensions != basis.block_dimensions
+    with pytest.raises(ValueError, match='coordinates'):
+        rebuilt.set_basis(other)
+    assert rebuilt.aggregator.awaiting_basis
+    rebuilt.set_basis(basis)
+    assert rebuilt.basis is basis and rebuilt.config == original.config
+    _same_step(rebuilt, original, x, y)
+
+
+def test_a_hybrid_config_without_dimensions_still_needs_its_basis():
+    # Without the block dimensions the event is not known: from_config of
+    # such a config cannot wait for a basis.
+    config = _fast(_basis()).get_config()
+    config['config'] = HYBRID.to_dict()
+    assert HYBRID.dimensions is None
+    with pytest.raises(ValueError, match='no basis is given'):
+        DPModel.from_config(config)
+
+
+@pytest.mark.parametrize('kind', [
+    'keras', pytest.param('saved_model', marks=markers.needs_keras_2)])
+@pytest.mark.parametrize('path', [
+    'model', pytest.param('optimizer',
+                          marks=markers.needs_tf_privacy_optimizers)])
+def test_a_saved_hybrid_model_reloads_awaiting_its_basis(tmp_path, kind,
+                                                         path):
+    # No artifact holds the basis. Keras 2's SavedModel loader revived such
+    # a model as a generic one whose fit trained without DP, and .keras
+    # refused to load; now both come back as a DPModel that refuses to
+    # train until set_basis, with its steps and config.
+    basis = _basis()
+    if path == 'model':
+        dp = _fast(basis, 4)
+    else:
+        dp = DPModel(_mlp(), physical_batch_size=4)
+        dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            HYBRID, learning_rate=0.3, basis=basis), loss=_loss())
+    dp.fit(_poisson(steps=2), verbose=0)
+    if kind == 'keras':
+        saved = str(tmp_path / 'model.keras')
+        dp.save(saved)
+    else:
+        saved = str(tmp_path / 'saved_model')
+        dp.save(saved, save_format='tf')
+    basis.save(str(tmp_path / 'basis.npz'))
+    restored = tf.keras.models.load_model(saved)
+    assert isinstance(restored, DPModel)
+    assert restored.aggregator.awaiting_basis
+    assert restored.config == dp.config
+    assert int(restored.steps_taken) == 2
+    weights = _weights(restored)
+    with pytest.raises(ValueError, match='set_basis'):
+        restored.fit(_poisson(steps=2), verbose=0)
+    _assert_all_close(_weights(restored), weights)
+    assert int(restored.steps_taken) == 2
+    restored.set_basis(basis_lib.HybridBasis.load(str(tmp_path / 'basis.npz')))
+    assert restored.basis.structure == basis.structure
+    restored.fit(_poisson(steps=2), verbose=0)
+    assert int(restored.steps_taken) == 4
+    assert not np.allclose(_weights(restored)[0], weights[0])
 
 
 @markers.needs_tf_privacy_optimizers
@@ -211,6 +327,7 @@ def test_dp_optimizer_config_round_trip_with_a_basis():
     opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(HYBRID, basis=basis)
     again = type(opt).from_config({**opt.get_config(), 'basis': basis})
     assert again.config == opt.config and again.basis is basis
+    assert not again.aggregator.awaiting_basis
 
 
 # --- accounting -------------------------------------------------------------

@@ -211,8 +211,13 @@ class DPModel(tf.keras.Model):
 
     def set_basis(self, basis: basis_lib.HybridBasis) -> None:
         """Uses ``basis`` from the next step on, without retracing
-        (``PrivateAggregator.set_basis``)."""
-        self._require_aggregator().set_basis(basis)
+        (``PrivateAggregator.set_basis``); gives a DPModel rebuilt from an
+        artifact the basis that no artifact holds."""
+        aggregator = self._require_aggregator()
+        if self.inner_model.built:
+            hybrid.check_basis_matches_variables(
+                basis, self.inner_model.trainable_variables)
+        aggregator.set_basis(basis)
 
     @property
     def key_streams(self) -> List[aggregator_lib.StepKeys]:
@@ -515,6 +520,10 @@ class DPModel(tf.keras.Model):
         The basis is not in the config (it can be GBs): for hybrid
         clipping pass it in as ``config['basis']``, e.g.
         ``DPModel.from_config({**config, 'basis': HybridBasis.load(path)})``.
+        Without it (as Keras's loaders rebuild a hybrid DPModel) the model
+        refuses to train until ``set_basis``: were this to raise instead,
+        Keras 2's SavedModel loader would revive a generic model whose
+        ``fit`` trains without DP.
         """
         config = dict(config)
         # Keras's own deserializer for layers and models: inside Keras 2's
@@ -523,7 +532,14 @@ class DPModel(tf.keras.Model):
         # generic model whose fit trains without DP.
         model = tf.keras.layers.deserialize(
             config.pop('model'), custom_objects=custom_objects)
-        if config.get('config') is not None:
-            config['config'] = config_lib.TwiceSamplingConfig.from_dict(
-                config['config'])
-        return cls(model, **config)
+        mechanism = config.pop('config', None)
+        if mechanism is None:
+            return cls(model, **config)
+        mechanism = config_lib.TwiceSamplingConfig.from_dict(mechanism)
+        if config.get('basis') is not None or mechanism.num_blocks == 1:
+            return cls(model, mechanism, **config)
+        seed = config.pop('seed', None)
+        dp_model = cls(model, **config)
+        dp_model._own_aggregator = aggregator_lib.PrivateAggregator(
+            mechanism, seed=seed, awaiting_basis=True)
+        return dp_model

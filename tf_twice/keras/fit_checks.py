@@ -10,7 +10,8 @@ multi-worker dataset that would sum an example once per
 worker, weights outside [0, 1], and layers that write statistics of their
 inputs into their state. The checks themselves live in ``guards``,
 ``per_example`` and ``layer_state``; this module is the one place that
-composes them for ``fit``.
+composes them for ``fit``. First of all, a hybrid mechanism rebuilt from
+a model artifact must have its basis back (``set_basis``).
 """
 
 import warnings
@@ -41,6 +42,8 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
     Raises:
       ValueError: see the module docstring.
     """
+    # A hybrid DPModel rebuilt from an artifact has no basis yet.
+    model.aggregator.require_basis()
     guards.check_sharding(model.distribute_strategy, x)
     ledgers = ledger_lib.ledgers_in(callbacks)
     for ledger in ledgers:

@@ -33,7 +33,10 @@ whether the accountant's epsilon holds:
   updates is then exactly the single-device update, whatever the number of
   replicas R (noise std is the calibrated one, not sqrt(R) times it).
 * **The basis** (``BasisVariables``, via ``hybrid.BasisHolder``): public,
-  not checkpointed, swapped without retracing.
+  not checkpointed, swapped without retracing. A hybrid mechanism rebuilt
+  from a model artifact (``awaiting_basis``) refuses every step until
+  ``set_basis`` gives it a basis of the config's block dimensions: without
+  one no step could run the config's event.
 
 Guarantee: with Poisson-sampled logical batches at rate q1 (the config's),
 each ``begin``..``finish`` is one ``config.dp_event()``; the update is
@@ -42,6 +45,7 @@ post-processing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -351,12 +355,28 @@ class PrivateAggregator(hybrid.BasisHolder):
       basis: None (one block) or a ``HybridBasis`` learned from PUBLIC data;
         its block dimensions complete the config's blocks.
       seed: of the step keys (``StepKeys``); None uses OS entropy.
+      awaiting_basis: for a config of several blocks given without a basis,
+        as a model artifact rebuilds it (no artifact holds the basis): the
+        config must then carry every block's dimension, and every step is
+        refused until ``set_basis`` gives a basis of those dimensions.
     """
 
     def __init__(self, config: config_lib.TwiceSamplingConfig,
                  basis: Optional[basis_lib.HybridBasis] = None,
-                 seed: Optional[int] = None) -> None:
-        hybrid.check_block_params(config, basis)
+                 seed: Optional[int] = None, *,
+                 awaiting_basis: bool = False) -> None:
+        self._awaiting_basis = bool(
+            awaiting_basis and basis is None
+            and isinstance(config, config_lib.TwiceSamplingConfig)
+            and config.num_blocks > 1 and config.dimensions is not None)
+        if not self._awaiting_basis:
+            hybrid.check_block_params(config, basis)
+        # Where a basis given later creates its variables: in the strategy
+        # the mechanism was built under, as one given now would (None: the
+        # default strategy, which copies of the aggregator cannot hold).
+        self._strategy = (tf.distribute.get_strategy()
+                          if self._awaiting_basis
+                          and tf.distribute.has_strategy() else None)
         if not config.is_calibrated:
             raise ValueError(
                 'config has no noise_multiplier: calibrate it first '
@@ -384,7 +404,47 @@ class PrivateAggregator(hybrid.BasisHolder):
         """The secret stream of step keys."""
         return self._keys
 
+    @property
+    def awaiting_basis(self) -> bool:
+        """Whether the config's hybrid basis has yet to come by
+        ``set_basis`` (no step runs until then)."""
+        return self._awaiting_basis
+
+    def require_basis(self) -> None:
+        """Refuses to run a step while ``awaiting_basis``.
+
+        Raises:
+          ValueError: saying how to give the basis.
+        """
+        if self._awaiting_basis:
+            raise ValueError(
+                f'the config has {self._config.num_blocks} blocks (hybrid '
+                'clipping) but no basis: it was rebuilt from a model '
+                'artifact, and no artifact holds the basis. Before training '
+                'call set_basis(basis) on the model (or on its tf_twice DP '
+                'optimizer) with a basis learned from public data, of block '
+                f'dimensions {self._config.dimensions}: e.g. the one it '
+                'trained with, saved by HybridBasis.save and read back by '
+                'tf_twice.mechanism.basis.HybridBasis.load(path).')
+
+    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
+        """``BasisHolder.set_basis``; while ``awaiting_basis``, gives the
+        mechanism its basis, whose block dimensions must be the config's
+        (the event the ledger may have accounted already)."""
+        if not self._awaiting_basis:
+            super().set_basis(basis)
+            return
+        hybrid.check_block_params(self._config, basis)
+        self._config.with_dimensions(basis.block_dimensions)  # Must agree.
+        scope = (self._strategy.scope() if self._strategy is not None
+                 and not tf.distribute.has_strategy()
+                 else contextlib.nullcontext())
+        with scope:
+            self._basis_variables = hybrid.BasisVariables(basis)
+        self._awaiting_basis = False
+
     def _basis_and_matrices(self, variables: Sequence[tf.Variable]):
+        self.require_basis()
         basis = self.basis
         if basis is None:
             return None, None
@@ -405,6 +465,8 @@ class PrivateAggregator(hybrid.BasisHolder):
         Raises:
           ValueError: naming both numbers.
         """
+        if self._awaiting_basis:  # set_basis checks the basis's dimensions.
+            return
         basis = self.basis
         if basis is not None:
             hybrid.check_basis_matches_variables(basis, variables)
@@ -431,6 +493,7 @@ class PrivateAggregator(hybrid.BasisHolder):
         The variables are checked against the mechanism first
         (``check_variables``, when the step is traced).
         """
+        self.require_basis()
         self.check_variables(variables)
         fingerprint = (state_fingerprint(variables, step)
                        if self._keys.seeded else None)
@@ -438,6 +501,7 @@ class PrivateAggregator(hybrid.BasisHolder):
 
     def zero_sums(self, variables: Sequence[tf.Variable]) -> hybrid.BlockSums:
         """Zero accumulators in the layout ``accumulate`` returns."""
+        self.require_basis()
         return hybrid.zero_block_sums(variables, self.basis)
 
     def accumulate(self, sums: hybrid.BlockSums,
