@@ -30,7 +30,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ['KERAS_PACKAGE', 'KERAS_VERSION', 'KERAS_MAJOR', 'IS_KERAS_3',
            'NO_REDUCTION', 'problem', 'has_tf_privacy', 'is_no_reduction',
-           'steps_per_execution', 'record_call_inputs', 'is_legacy_optimizer',
+           'steps_per_execution', 'record_call_inputs',
+           'restored_from_config_only', 'is_legacy_optimizer',
            'build_optimizer', 'save_legacy_optimizer', 'split_legacy_optimizer',
            'load_legacy_optimizer', 'compiled_metrics',
            'update_compiled_metrics', 'metric_results', 'state_from_adapt']
@@ -205,6 +206,31 @@ def record_call_inputs(model: Any, specs: Any) -> None:
     set_spec = getattr(model, '_set_save_spec', None)
     if not IS_KERAS_3 and set_spec is not None:
         set_spec(specs)
+
+
+_SAVERS_RESTORING_FROM_CONFIG: Dict[type, type] = {}
+
+
+def restored_from_config_only(saver: Any) -> Any:
+    """Keras 2: ``saver``, a model's SavedModel saver, with the model marked
+    as one that loading must rebuild from its config (Keras's
+    ``must_restore_from_config``), else fail; without the mark a failed
+    rebuild silently gives Keras's generic revived model. Unlike a model's
+    own ``_must_restore_from_config`` this keeps its traced functions, and
+    so the serving signature."""
+    base = type(saver)
+    cls = _SAVERS_RESTORING_FROM_CONFIG.get(base)
+    if cls is None:
+
+        class Saver(base):  # pylint: disable=missing-class-docstring
+
+            def _python_properties_internal(self):
+                metadata = super()._python_properties_internal()
+                metadata['must_restore_from_config'] = True
+                return metadata
+
+        cls = _SAVERS_RESTORING_FROM_CONFIG[base] = Saver
+    return cls(saver.obj)
 
 
 def is_legacy_optimizer(optimizer: Any) -> bool:

@@ -17,6 +17,8 @@ import json
 import os
 import pickle
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -213,6 +215,60 @@ def test_a_saved_model_reloads_as_a_dp_model(tmp_path, path):
     # It trains as a DPModel: its steps are counted.
     restored.fit(batches(), epochs=1, verbose=0)
     assert int(restored.steps_taken) == 4
+
+
+class _Unregistered(tf.keras.Model):
+    """A wrapped model class that Keras's loaders do not know."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = tf.keras.layers.Dense(tiny_models.NUM_CLASSES)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def get_config(self):
+        return {'name': self.name}
+
+
+@markers.needs_keras_2
+def test_a_saved_model_that_cannot_come_back_as_a_dp_model_does_not_load(
+        tmp_path):
+    # Keras 2 revived a SavedModel it could not rebuild from its config
+    # (tf_twice not imported, a wrapped class it does not know) as a
+    # generic model whose fit trained without DP. Now loading fails.
+    x, y = tiny_models.data(12)
+    dp = DPModel(_Unregistered(), CONFIG, physical_batch_size=4)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
+    dp.fit(sampling.poisson_batches(x, y, physical_batch_size=4,
+                                    expected_batch_size=4.0, steps=2,
+                                    seed=0), epochs=1, verbose=0)
+    saved = str(tmp_path / 'saved_model')
+    dp.save(saved, save_format='tf')
+    with pytest.raises(ValueError, match='_Unregistered'):
+        tf.keras.models.load_model(saved)
+    restored = tf.keras.models.load_model(
+        saved, custom_objects={'_Unregistered': _Unregistered})
+    assert isinstance(restored, DPModel)
+    assert int(restored.steps_taken) == 2
+    # Still a serving export.
+    served = tf.saved_model.load(saved).signatures['serving_default']
+    outputs = served(tf.constant(x[:3]))
+    np.testing.assert_allclose(next(iter(outputs.values())).numpy(),
+                               dp(x[:3]).numpy(), rtol=1e-5, atol=1e-6)
+    # And a process that has not imported tf_twice gets an error too.
+    code = ('import sys, tensorflow as tf\n'
+            'try:\n'
+            '    tf.keras.models.load_model(sys.argv[1])\n'
+            'except ValueError as error:\n'
+            '    print("refused:", error)\n'
+            'else:\n'
+            '    print("loaded")\n'
+            'print("tf_twice" in sys.modules)\n')
+    out = subprocess.run([sys.executable, '-c', code, saved], check=True,
+                         capture_output=True, text=True).stdout
+    assert 'refused:' in out and 'tf_twice>DPModel' in out, out
+    assert out.strip().endswith('False'), out
 
 
 @markers.needs_keras_2

@@ -180,6 +180,17 @@ class DPModel(tf.keras.Model):
         object.__setattr__(self, '_retired_keys', [])
         self._example_loss = None
 
+    if not _keras.IS_KERAS_3:
+
+        @property
+        def _trackable_saved_model_saver(self):
+            # Keras 2's SavedModel loader revives a model that it cannot
+            # rebuild from its config (tf_twice not imported, a wrapped
+            # class Keras does not know) as a generic model whose fit
+            # trains without DP: make that load fail instead.
+            return _keras.restored_from_config_only(
+                super()._trackable_saved_model_saver)
+
     @property
     def aggregator(self) -> Optional[aggregator_lib.PrivateAggregator]:
         """The ``PrivateAggregator`` that runs the steps: the model's own, or
