@@ -168,6 +168,19 @@ def test_no_artifact_holds_the_key_stream(tmp_path, kind, path):
         assert str(SEED) not in json.dumps(config, default=str)
 
 
+def _two_poisson_steps(x, y):
+    return sampling.poisson_batches(x, y, physical_batch_size=4,
+                                    expected_batch_size=4.0, steps=2, seed=0)
+
+
+def _saved_model_after_fit(dp, x, y, tmp_path):
+    """Two Poisson steps of ``dp``, then its Keras 2 SavedModel; its path."""
+    dp.fit(_two_poisson_steps(x, y), epochs=1, verbose=0)
+    path = str(tmp_path / 'saved_model')
+    dp.save(path, save_format='tf')
+    return path
+
+
 @markers.needs_keras_2
 def test_a_saved_model_is_written_right_after_fit(tmp_path):
     # Keras 2's SavedModel traces `call` with the specs of the model's first
@@ -176,11 +189,7 @@ def test_a_saved_model_is_written_right_after_fit(tmp_path):
     x, y = tiny_models.data(12)
     dp = DPModel(_mlp(), CONFIG, physical_batch_size=4)
     dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
-    dp.fit(sampling.poisson_batches(x, y, physical_batch_size=4,
-                                    expected_batch_size=4.0, steps=2,
-                                    seed=0), epochs=1, verbose=0)
-    path = str(tmp_path / 'saved_model')
-    dp.save(path, save_format='tf')
+    path = _saved_model_after_fit(dp, x, y, tmp_path)
     # Compiled too: the SavedModel names the loss metric's class, which
     # loading must find.
     restored = tf.keras.models.load_model(path)
@@ -199,21 +208,13 @@ def test_a_saved_model_reloads_as_a_dp_model(tmp_path, path):
     # without a word; DPModel's config did not deserialize there.
     x, y = tiny_models.data(12)
     dp = _dp_model(path=path)
-
-    def batches():
-        return sampling.poisson_batches(x, y, physical_batch_size=4,
-                                        expected_batch_size=4.0, steps=2,
-                                        seed=0)
-
-    dp.fit(batches(), epochs=1, verbose=0)
-    saved = str(tmp_path / 'saved_model')
-    dp.save(saved, save_format='tf')
+    saved = _saved_model_after_fit(dp, x, y, tmp_path)
     restored = tf.keras.models.load_model(saved)
     assert isinstance(restored, DPModel)
     assert restored.config == dp.config
     assert int(restored.steps_taken) == int(dp.steps_taken) == 2
     # It trains as a DPModel: its steps are counted.
-    restored.fit(batches(), epochs=1, verbose=0)
+    restored.fit(_two_poisson_steps(x, y), epochs=1, verbose=0)
     assert int(restored.steps_taken) == 4
 
 
@@ -240,11 +241,7 @@ def test_a_saved_model_that_cannot_come_back_as_a_dp_model_does_not_load(
     x, y = tiny_models.data(12)
     dp = DPModel(_Unregistered(), CONFIG, physical_batch_size=4)
     dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
-    dp.fit(sampling.poisson_batches(x, y, physical_batch_size=4,
-                                    expected_batch_size=4.0, steps=2,
-                                    seed=0), epochs=1, verbose=0)
-    saved = str(tmp_path / 'saved_model')
-    dp.save(saved, save_format='tf')
+    saved = _saved_model_after_fit(dp, x, y, tmp_path)
     with pytest.raises(ValueError, match='_Unregistered'):
         tf.keras.models.load_model(saved)
     restored = tf.keras.models.load_model(
