@@ -268,6 +268,26 @@ def test_rebuilt_from_its_config_a_hybrid_model_trains_only_with_a_basis(
     _same_step(rebuilt, original, x, y)
 
 
+def test_a_basis_refresh_gives_a_rebuilt_hybrid_model_its_basis():
+    # The refresh before step 0 runs before the step is traced.
+    public = _data(32, seed=1)
+    rebuilt = DPModel.from_config(_fast(_basis(), 4).get_config())
+    rebuilt.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
+    assert rebuilt.aggregator.awaiting_basis
+    refresh = basis_refresh.BasisRefresh(
+        rebuilt.inner_model, public, _loss(), every_steps=2,
+        on_refresh=rebuilt.set_basis, ranks=RANKS, groups=GROUPS)
+    rebuilt.fit(_poisson(steps=3), callbacks=[refresh], verbose=0)
+    assert refresh.refresh_count == 2 and rebuilt.basis is refresh.basis
+    assert int(rebuilt.steps_taken) == 3
+    # A refresh that feeds another model leaves this one refused.
+    other = DPModel.from_config(rebuilt.get_config())
+    other.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
+    with pytest.raises(ValueError, match='set_basis'):
+        other.fit(_poisson(steps=1), callbacks=[refresh], verbose=0)
+    assert int(other.steps_taken) == 0
+
+
 def test_a_hybrid_config_without_dimensions_still_needs_its_basis():
     # Without the block dimensions the event is not known: from_config of
     # such a config cannot wait for a basis.

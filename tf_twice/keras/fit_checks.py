@@ -11,12 +11,14 @@ worker, weights outside [0, 1], and layers that write statistics of their
 inputs into their state. The checks themselves live in ``guards``,
 ``per_example`` and ``layer_state``; this module is the one place that
 composes them for ``fit``. First of all, a hybrid mechanism rebuilt from
-a model artifact must have its basis back (``set_basis``).
+a model artifact must have its basis back (``set_basis``, or a
+``BasisRefresh`` callback before the first step).
 """
 
 import warnings
 from typing import Any, Mapping, Sequence
 
+from tf_twice.keras import basis_refresh
 from tf_twice.keras import guards
 from tf_twice.keras import layer_state
 from tf_twice.keras import ledger as ledger_lib
@@ -42,8 +44,12 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
     Raises:
       ValueError: see the module docstring.
     """
-    # A hybrid DPModel rebuilt from an artifact has no basis yet.
-    model.aggregator.require_basis()
+    # A hybrid DPModel rebuilt from an artifact has no basis yet; a
+    # BasisRefresh may give it one before the first step (whose trace
+    # refuses the step otherwise: PrivateAggregator.begin).
+    if not any(isinstance(c, basis_refresh.BasisRefresh)
+               for c in guards.fit_callbacks(callbacks)):
+        model.aggregator.require_basis()
     guards.check_sharding(model.distribute_strategy, x)
     ledgers = ledger_lib.ledgers_in(callbacks)
     for ledger in ledgers:
