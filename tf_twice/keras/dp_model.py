@@ -23,7 +23,8 @@ config, compiled with a tf_twice DP optimizer), hybrid clipping (``basis=``,
 ``set_basis``), the step keys that no model artifact holds and the seeded
 runs ("Secrets, checkpoints and seeds"), and the update that is the same
 for any number of replicas ("Several devices"). The basis is NOT part of
-checkpoints: a resumed run relearns or reloads it. ``compile`` refuses
+checkpoints: a resumed run relearns or reloads it (a hybrid DPModel rebuilt
+from an artifact refuses to train until ``set_basis``). ``compile`` refuses
 ``jit_compile=True``: XLA drops the run-time check of per-example weights
 and cannot compile the seeded step keys' hashing (the clip-mask-sum kernels
 use XLA on their own).
