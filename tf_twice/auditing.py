@@ -328,8 +328,10 @@ def audit_one_step(model: tf.keras.Model,
             v.assign(value)
         saved = [tf.constant(value) for value in initial]
         if direction is None:
+            # A DPModel's own call passes no gradient to its weights.
+            forward = getattr(model, 'inner_model', model)
             with tf.GradientTape() as tape:
-                prediction = model(canary_x, training=True)
+                prediction = forward(canary_x, training=True)
                 loss = model.compute_loss(x=canary_x, y=canary_y,
                                           y_pred=prediction)
             direction = tape.gradient(

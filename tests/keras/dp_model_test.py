@@ -114,6 +114,32 @@ def test_train_on_batch_is_refused():
         dp.train_on_batch(*_data(4))
 
 
+def test_no_gradient_reaches_the_weights_through_the_dp_models_outputs():
+    # Training through the DPModel's outputs (an outer model's fit, a
+    # GradientTape loop) would update its weights without DP and without a
+    # step the ledger sees: no gradient gets there, so Keras refuses.
+    x, y = _data(8)
+    dp = _private(_mlp())
+    np.testing.assert_array_equal(dp(x).numpy(), dp.inner_model(x).numpy())
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(_loss()(y, dp(x, training=True)))
+    assert all(g is None for g in tape.gradient(loss,
+                                                dp.trainable_variables))
+    before = _weights(dp)
+    outer = tf.keras.Sequential([dp])
+    outer.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
+    with pytest.raises(ValueError, match='(?i)no gradients'):
+        outer.fit(x, y, epochs=1, verbose=0)
+    # With a layer of its own, the outer model trains only that layer.
+    mixed = tf.keras.Sequential([dp, tf.keras.layers.Dense(3)])
+    mixed.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # Keras: no gradient for dp's.
+        mixed.fit(x, y, epochs=1, verbose=0)
+    _assert_all_close(_weights(dp), before, rtol=0, atol=0)
+    assert int(dp.steps_taken) == 0
+
+
 def test_per_example_gradients_are_computed_for_the_real_rows_only(
         monkeypatch):
     # A batch of 11 in chunks of 4 is 4 + 4 + 3 rows, not 12 with padding

@@ -280,7 +280,13 @@ class DPModel(tf.keras.Model):
         return self._require_aggregator().dp_event()
 
     def call(self, inputs, training=None, mask=None):
-        return self.inner_model(inputs, training=training)
+        # Only train_step trains the weights: a gradient taken through the
+        # DPModel's outputs (an outer model's fit, a GradientTape loop)
+        # would be a non-private update, so none reaches them (Keras then
+        # says "No gradients provided"). The wrapped model's own call is
+        # untouched.
+        return tf.nest.map_structure(
+            tf.stop_gradient, self.inner_model(inputs, training=training))
 
     def compile(self, optimizer='rmsprop', loss=None, metrics=None,
                 **kwargs):
