@@ -138,6 +138,9 @@ def test_no_gradient_reaches_the_weights_through_the_dp_models_outputs():
         mixed.fit(x, y, epochs=1, verbose=0)
     _assert_all_close(_weights(dp), before, rtol=0, atol=0)
     assert int(dp.steps_taken) == 0
+    # Nor may a DPModel wrap one: its steps would be noise alone.
+    with pytest.raises(ValueError, match='inner_model'):
+        DPModel(dp, CONFIG)
 
 
 def test_per_example_gradients_are_computed_for_the_real_rows_only(

@@ -262,6 +262,8 @@ def test_rebuilt_from_its_config_a_hybrid_model_trains_only_with_a_basis(
     assert other.block_dimensions != basis.block_dimensions
     with pytest.raises(ValueError, match='coordinates'):
         rebuilt.set_basis(other)
+    with pytest.raises(ValueError, match='HybridBasis'):
+        rebuilt.set_basis('basis.npz')
     assert rebuilt.aggregator.awaiting_basis
     rebuilt.set_basis(basis)
     assert rebuilt.basis is basis and rebuilt.config == original.config

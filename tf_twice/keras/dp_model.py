@@ -136,6 +136,10 @@ class DPModel(tf.keras.Model):
         if not isinstance(model, tf.keras.Model):
             raise ValueError(
                 f'model must be a tf.keras.Model, got {type(model).__name__}.')
+        if isinstance(model, DPModel):
+            # Its call passes no gradient: the outer steps would be noise.
+            raise ValueError(
+                'model must not be a DPModel: wrap its inner_model instead.')
         guards.check_no_example_mixing(model)
         if config is not None and not isinstance(
                 config, config_lib.TwiceSamplingConfig):
@@ -226,6 +230,7 @@ class DPModel(tf.keras.Model):
         (``PrivateAggregator.set_basis``); gives a DPModel rebuilt from an
         artifact the basis that no artifact holds."""
         aggregator = self._require_aggregator()
+        hybrid.check_is_basis(basis)
         if self.inner_model.built:
             hybrid.check_basis_matches_variables(
                 basis, self.inner_model.trainable_variables)

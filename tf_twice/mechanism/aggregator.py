@@ -419,8 +419,9 @@ class PrivateAggregator(hybrid.BasisHolder):
         if self._awaiting_basis:
             raise ValueError(
                 f'the config has {self._config.num_blocks} blocks (hybrid '
-                'clipping) but no basis: it was rebuilt from a model '
-                'artifact, and no artifact holds the basis. Before training '
+                'clipping) but no basis: it was rebuilt from its config (a '
+                'model artifact, from_config or clone_model), which never '
+                'holds the basis. Before training '
                 'call set_basis(basis) on the model (or on its tf_twice DP '
                 'optimizer) with a basis learned from public data, of block '
                 f'dimensions {self._config.dimensions}: e.g. the one it '
@@ -431,6 +432,7 @@ class PrivateAggregator(hybrid.BasisHolder):
         """``BasisHolder.set_basis``; while ``awaiting_basis``, gives the
         mechanism its basis, whose block dimensions must be the config's
         (the event the ledger may have accounted already)."""
+        hybrid.check_is_basis(basis)
         if not self._awaiting_basis:
             super().set_basis(basis)
             return

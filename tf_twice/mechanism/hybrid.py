@@ -33,7 +33,7 @@ post-processing; the guarantee does not depend on U being orthonormal.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -88,6 +88,13 @@ def check_block_params(config: config_lib.TwiceSamplingConfig,
             'to derive them from a one-block config.')
 
 
+def check_is_basis(basis: Any) -> None:
+    """Refuses anything but a ``HybridBasis``."""
+    if not isinstance(basis, basis_lib.HybridBasis):
+        raise ValueError('basis must be a tf_twice HybridBasis; got '
+                         f'{type(basis).__name__}.')
+
+
 def check_basis_matches_variables(basis: basis_lib.HybridBasis,
                                   variables: Sequence[tf.Variable]) -> None:
     """Refuses a basis whose variable shapes are not ``variables``' shapes."""
@@ -116,9 +123,7 @@ class BasisVariables:
 
     def __init__(self, basis: basis_lib.HybridBasis,
                  name: str = 'hybrid_basis'):
-        if not isinstance(basis, basis_lib.HybridBasis):
-            raise ValueError('basis must be a tf_twice HybridBasis; got '
-                             f'{type(basis).__name__}.')
+        check_is_basis(basis)
         self._basis = basis
         with tf.init_scope():
             self._variables = tuple(
@@ -144,9 +149,7 @@ class BasisVariables:
             structure would change the matrix shapes and the block
             dimensions of the step's DpEvent.
         """
-        if not isinstance(basis, basis_lib.HybridBasis):
-            raise ValueError('basis must be a tf_twice HybridBasis; got '
-                             f'{type(basis).__name__}.')
+        check_is_basis(basis)
         if basis.structure != self._basis.structure:
             raise ValueError(
                 'basis must have the structure of the current one (same '
