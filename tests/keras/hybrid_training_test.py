@@ -47,16 +47,19 @@ def _fast(basis, physical_batch_size=8, model=None):
     return dp
 
 
+def _optimizer_path(basis, physical_batch_size=4, seed=SEED):
+    dp = DPModel(_mlp(), physical_batch_size=physical_batch_size)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        HYBRID, learning_rate=0.3, basis=basis, seed=seed), loss=_loss())
+    return dp
+
+
 @markers.needs_tf_privacy_optimizers
 @pytest.mark.parametrize('physical_batch_size', [8, 3])
 def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
     basis = _basis()
     x, y = _data(8, seed=2)
-    reference = DPModel(_mlp(), physical_batch_size=physical_batch_size)
-    reference.compile(
-        optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            HYBRID, learning_rate=0.3, basis=basis, seed=SEED),
-        loss=_loss())
+    reference = _optimizer_path(basis, physical_batch_size)
     tiny_models.one_step(reference, x, y)
     dp = _fast(basis, physical_batch_size)
     tiny_models.one_step(dp, x, y)
@@ -236,11 +239,7 @@ def test_rebuilt_from_its_config_a_hybrid_model_trains_only_with_a_basis(
         rebuilt.compile(optimizer=tf.keras.optimizers.SGD(0.3),
                         loss=_loss())
     else:
-        original = DPModel(_mlp(), physical_batch_size=4)
-        original.compile(
-            optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-                HYBRID, learning_rate=0.3, basis=basis, seed=SEED),
-            loss=_loss())
+        original = _optimizer_path(basis)
         optimizer = optimizers.TwiceSamplingDPKerasSGDOptimizer.from_config(
             original.optimizer.get_config())
         rebuilt = DPModel(_mlp(), physical_batch_size=4)
@@ -315,9 +314,7 @@ def test_a_saved_hybrid_model_reloads_awaiting_its_basis(tmp_path, kind,
     if path == 'model':
         dp = _fast(basis, 4)
     else:
-        dp = DPModel(_mlp(), physical_batch_size=4)
-        dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-            HYBRID, learning_rate=0.3, basis=basis), loss=_loss())
+        dp = _optimizer_path(basis, seed=None)
     dp.fit(_poisson(steps=2), verbose=0)
     if kind == 'keras':
         saved = str(tmp_path / 'model.keras')

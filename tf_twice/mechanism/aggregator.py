@@ -432,7 +432,6 @@ class PrivateAggregator(hybrid.BasisHolder):
         """``BasisHolder.set_basis``; while ``awaiting_basis``, gives the
         mechanism its basis, whose block dimensions must be the config's
         (the event the ledger may have accounted already)."""
-        hybrid.check_is_basis(basis)
         if not self._awaiting_basis:
             super().set_basis(basis)
             return
