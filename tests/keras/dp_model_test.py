@@ -143,6 +143,61 @@ def test_no_gradient_reaches_the_weights_through_the_dp_models_outputs():
         DPModel(dp, CONFIG)
 
 
+class _AddsLossAndWritesState(tf.keras.layers.Layer):
+    """Adds an input-dependent loss and, in training mode, writes the
+    batch mean into a state variable."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(name='scale', shape=(), trainable=True,
+                                     initializer='ones')
+        self.mean = self.add_weight(name='mean', shape=(), trainable=False,
+                                    initializer='zeros')
+
+    def call(self, inputs, training=None):
+        outputs = self.scale * inputs
+        self.add_loss(tf.reduce_mean(tf.square(outputs)))
+        if training:
+            self.mean.assign(tf.reduce_mean(inputs))
+        return outputs
+
+
+def test_nothing_reaches_the_weights_through_the_losses_its_layers_add():
+    # An activity regularizer or add_loss is a second, data-dependent output
+    # of the wrapped model's forward pass: through it an outer fit or a tape
+    # over model.losses took a non-private step (found by an audit), and a
+    # training-mode call wrote batch statistics into the state.
+    x, y = _data(8)
+    tf.keras.utils.set_random_seed(0)
+    inner = tf.keras.Sequential([
+        tf.keras.Input((NUM_FEATURES,)),
+        tf.keras.layers.Dense(
+            5, activity_regularizer=tf.keras.regularizers.L2(10.0)),
+        _AddsLossAndWritesState(),
+        tf.keras.layers.Dropout(0.5),
+        tf.keras.layers.Dense(NUM_CLASSES)])
+    dp = _private(inner)
+    state = [v.numpy() for v in dp.weights]
+    # Inference mode, whatever the caller asks: no dropout, no state write.
+    np.testing.assert_array_equal(dp(x, training=True).numpy(),
+                                  inner(x, training=False).numpy())
+    with tf.GradientTape() as tape:
+        outputs = dp(x, training=True)
+        added = tf.add_n(dp.losses)
+    assert len(dp.losses) == 2 and float(added) > 0
+    assert all(g is None for g in tape.gradient(
+        [added, outputs], dp.trainable_variables))
+    inputs = tf.keras.Input((NUM_FEATURES,))
+    outer = tf.keras.Model(inputs, tf.keras.layers.Dense(NUM_CLASSES)(
+        dp(inputs)))
+    outer.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # Keras: no gradient for dp's.
+        outer.fit(x, y, epochs=2, verbose=0)
+    _assert_all_close([v.numpy() for v in dp.weights], state, rtol=0,
+                      atol=0)
+    assert int(dp.steps_taken) == 0
+
+
 def test_per_example_gradients_are_computed_for_the_real_rows_only(
         monkeypatch):
     # A batch of 11 in chunks of 4 is 4 + 4 + 3 rows, not 12 with padding

@@ -35,6 +35,10 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
+# The one way to keep every gradient tape off a forward pass, including
+# the losses its layers add beside the outputs (tf.stop_gradient sees the
+# outputs only).
+from tensorflow.python.eager import record
 
 from tf_twice import _keras
 from tf_twice import _validate
@@ -285,13 +289,18 @@ class DPModel(tf.keras.Model):
         return self._require_aggregator().dp_event()
 
     def call(self, inputs, training=None, mask=None):
-        # Only train_step trains the weights: a gradient taken through the
-        # DPModel's outputs (an outer model's fit, a GradientTape loop)
-        # would be a non-private update, so none reaches them (Keras then
-        # says "No gradients provided"). The wrapped model's own call is
-        # untouched.
-        return tf.nest.map_structure(
-            tf.stop_gradient, self.inner_model(inputs, training=training))
+        # Only train_step trains the weights (it never calls this): a
+        # gradient or a state update taken through the DPModel (an outer
+        # model's fit, a GradientTape loop) would be a non-private update
+        # no ledger charges. So the wrapped model runs in inference mode
+        # (no dropout, no statistics written into its state) and no
+        # gradient tape records it: neither its outputs nor the losses its
+        # layers add (activity_regularizer, add_loss) carry a gradient to
+        # the weights, and Keras says "No gradients provided". The wrapped
+        # model's own call is untouched.
+        del training  # Always inference: see above.
+        with record.stop_recording():
+            return self.inner_model(inputs, training=False)
 
     def compile(self, optimizer='rmsprop', loss=None, metrics=None,
                 **kwargs):
