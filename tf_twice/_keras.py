@@ -34,7 +34,8 @@ __all__ = ['KERAS_PACKAGE', 'KERAS_VERSION', 'KERAS_MAJOR', 'IS_KERAS_3',
            'restored_from_config_only', 'is_legacy_optimizer',
            'build_optimizer', 'save_legacy_optimizer', 'split_legacy_optimizer',
            'load_legacy_optimizer', 'compiled_metrics',
-           'update_compiled_metrics', 'metric_results', 'state_from_adapt']
+           'update_compiled_metrics', 'metric_results', 'state_from_adapt',
+           'stop_gradient_of_added_losses']
 
 _TRUE = ('true', 'True', '1')  # TensorFlow's reading of TF_USE_LEGACY_KERAS.
 
@@ -366,3 +367,40 @@ def state_from_adapt(layer: Any) -> bool:
     if hasattr(layer, '_lookup_layer'):  # TextVectorization.
         return state_from_adapt(layer._lookup_layer)  # pylint: disable=protected-access
     return True
+
+
+def stop_gradient_of_added_losses(model: Any) -> None:
+    """Replaces every loss that ``model``'s layers hold from ``add_loss``
+    (an ``activity_regularizer``, a custom layer's loss) by its
+    ``tf.stop_gradient``. A model that contains ``model`` reads those losses
+    from the layers' lists, beside ``model``'s outputs; stopping the
+    outputs' gradient alone leaves them a path to the weights. Weight
+    regularisers are computed when read, not held, and stay as they are."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    def stopped(losses):
+        return [tf.stop_gradient(x) if tf.is_tensor(x) else x for x in losses]
+
+    layers = list(model._flatten_layers())  # pylint: disable=protected-access
+    if not IS_KERAS_3:
+        # Losses added inside a call (eagerly or in a tf.function); the
+        # symbolic ones of a functional construction are rebuilt when the
+        # model runs.
+        for layer in layers:
+            if layer._eager_losses:  # pylint: disable=protected-access
+                layer._eager_losses = stopped(layer._eager_losses)  # pylint: disable=protected-access
+        return
+    backend = importlib.import_module(KERAS_PACKAGE + '.src.backend')
+    scope = (backend.get_stateless_scope()
+             if backend.in_stateless_scope() else None)
+    for layer in layers:
+        layer._losses[:] = stopped(layer._losses)  # pylint: disable=protected-access
+        if scope is not None and scope.collect_losses:
+            # Inside stateless_call the losses live in the scope, found by
+            # the adding layer through their ids.
+            ids = layer._loss_ids  # pylint: disable=protected-access
+            for i, x in enumerate(scope.losses):
+                if id(x) in ids and tf.is_tensor(x):
+                    scope.losses[i] = tf.stop_gradient(x)
+                    ids.discard(id(x))
+                    ids.add(id(scope.losses[i]))

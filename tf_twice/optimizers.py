@@ -400,3 +400,23 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
     return tf.keras.utils.register_keras_serializable(package='tf_twice')(
         TwiceSamplingOptimizer)
 
+
+
+def _build_where_available() -> None:
+    """Builds the optimizer classes at import where this stack can (Keras 2
+    with tensorflow-privacy). A model saved compiled with one finds its
+    class by its registered name ('tf_twice>...', Keras 2's SavedModel) or
+    in this module's namespace (a .keras file), and neither holds a class
+    not built yet: such a model did not load in a new process. Elsewhere
+    the names stay lazy and raise, when used, the error that names the
+    fix."""
+    if _tf_privacy_import_error('') is not None:
+        return
+    try:
+        for name in _CLASS_BASES:
+            __getattr__(name)
+    except ImportError:
+        pass  # A broken tensorflow-privacy: raised again when used.
+
+
+_build_where_available()

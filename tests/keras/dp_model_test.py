@@ -186,6 +186,18 @@ def test_nothing_reaches_the_weights_through_the_losses_its_layers_add():
     assert len(dp.losses) == 2 and float(added) > 0
     assert all(g is None for g in tape.gradient(
         [added, outputs], dp.trainable_variables))
+    # Nor when the gradient is built from a traced graph: a tape around a
+    # tf.function records one call, whose graph is then differentiated.
+    def added_losses(a):
+        dp(a)
+        return tf.add_n(dp.losses)
+
+    for name, forward in (('outputs', tf.function(lambda a: dp(a))),
+                          ('losses', tf.function(added_losses))):
+        with tf.GradientTape() as tape:
+            traced = forward(x)
+        assert all(g is None for g in tape.gradient(
+            traced, dp.trainable_variables)), name
     inputs = tf.keras.Input((NUM_FEATURES,))
     outer = tf.keras.Model(inputs, tf.keras.layers.Dense(NUM_CLASSES)(
         dp(inputs)))

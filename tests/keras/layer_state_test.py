@@ -25,6 +25,14 @@ class RunningMean(tf.keras.layers.Layer):
         return inputs
 
 
+class InferenceMean(RunningMean):
+    """Writes the running mean in inference mode only, which evaluate,
+    predict and calling a DPModel run, on private data too."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=not training)
+
+
 class TrainableStatistic(tf.keras.layers.Layer):
     """Writes its inputs' mean into a trainable weight, in a model that has
     no non-trainable variable."""
@@ -80,6 +88,20 @@ def test_a_running_mean_under_another_name_is_refused_before_any_step():
     assert int(dp.optimizer.iterations.numpy()) == 0
     np.testing.assert_array_equal(inner.trainable_variables[0].numpy(),
                                   kernel)
+    np.testing.assert_array_equal(inner.non_trainable_variables[0].numpy(),
+                                  np.zeros(tiny_models.NUM_FEATURES))
+
+
+def test_a_statistic_written_in_inference_mode_only_is_refused():
+    # A probe of training mode alone let it train; predict on private data
+    # then wrote their mean into the state.
+    inner = _model(InferenceMean(name='at_inference'))
+    dp = _dp(inner)
+    x, y = tiny_models.data(8, seed=2)
+    with pytest.raises(ValueError,
+                       match=r"at_inference.*running_mean.*inference mode"):
+        dp.fit(tf.data.Dataset.from_tensors((x, y)), verbose=0)
+    assert int(dp.optimizer.iterations.numpy()) == 0
     np.testing.assert_array_equal(inner.non_trainable_variables[0].numpy(),
                                   np.zeros(tiny_models.NUM_FEATURES))
 

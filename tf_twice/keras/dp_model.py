@@ -30,6 +30,7 @@ and cannot compile the seeded step keys' hashing (the clip-mask-sum kernels
 use XLA on their own).
 """
 
+import importlib
 import logging
 from typing import Any, Dict, List, Optional
 
@@ -293,14 +294,18 @@ class DPModel(tf.keras.Model):
         # gradient or a state update taken through the DPModel (an outer
         # model's fit, a GradientTape loop) would be a non-private update
         # no ledger charges. So the wrapped model runs in inference mode
-        # (no dropout, no statistics written into its state) and no
-        # gradient tape records it: neither its outputs nor the losses its
-        # layers add (activity_regularizer, add_loss) carry a gradient to
-        # the weights, and Keras says "No gradients provided". The wrapped
-        # model's own call is untouched.
+        # (no dropout; `fit` refuses layers that write statistics of their
+        # inputs in either mode), and neither its outputs nor the losses its
+        # layers add (activity_regularizer, add_loss) carry a gradient:
+        # no tape records the pass, and each of them is stopped for a
+        # gradient built from a traced graph (a tape around a tf.function
+        # that calls this, tf.gradients). Keras then says "No gradients
+        # provided". The wrapped model's own call is untouched.
         del training  # Always inference: see above.
         with record.stop_recording():
-            return self.inner_model(inputs, training=False)
+            outputs = self.inner_model(inputs, training=False)
+        _keras.stop_gradient_of_added_losses(self.inner_model)
+        return tf.nest.map_structure(tf.stop_gradient, outputs)
 
     def compile(self, optimizer='rmsprop', loss=None, metrics=None,
                 **kwargs):
@@ -566,6 +571,9 @@ class DPModel(tf.keras.Model):
             config.pop('model'), custom_objects=custom_objects)
         mechanism = config.pop('config', None)
         if mechanism is None:
+            # Compiled with a tf_twice optimizer, which Keras's loaders look
+            # up next; importing the module builds and registers it.
+            importlib.import_module('tf_twice.optimizers')
             return cls(model, **config)
         mechanism = config_lib.TwiceSamplingConfig.from_dict(mechanism)
         if config.get('basis') is not None or mechanism.num_blocks == 1:

@@ -1,13 +1,14 @@
 """Refuses layers that write statistics of their inputs into their state.
 
-A layer may keep non-trainable variables that its training-mode call updates
-from the batch it sees (a running mean, a codebook, a counter). Trained on
+A layer may keep non-trainable variables that its call updates from the
+batch it sees (a running mean, a codebook, a counter). Trained on
 private examples, such a variable is a noise-free statistic of them, saved
 and released with the model and covered by no accountant.
 BatchNormalization is refused by name (`guards.check_no_example_mixing`);
 this module catches the same pattern under any other name, by behaviour:
-the model's training-mode forward pass runs on two different made-up
-batches (never on training data), each from the same state, and a
+the model's forward pass, in training and in inference mode (evaluate,
+predict and calling a DPModel run the latter, on private data too), runs
+on two different made-up batches (never on training data), each from the same state, and a
 variable (trainable or not) that ends up different after the two depends on
 the inputs. State that does not (a step counter, Keras 3's dropout seed
 generators) ends up equal and is accepted. Every variable is restored
@@ -70,8 +71,9 @@ def _owners(model: tf.keras.layers.Layer) -> Dict[int, str]:
 
 def check_no_input_dependent_state(model: tf.keras.Model, input_spec: Any,
                                    strategy: Any = None) -> None:
-    """Refuses ``model`` if a training-mode forward pass writes a statistic
-    of its inputs into one of its variables (see the module docstring).
+    """Refuses ``model`` if a forward pass, in training or inference mode,
+    writes a statistic of its inputs into one of its variables (see the
+    module docstring).
 
     Args:
       model: the model trained privately (built here if it is not yet).
@@ -110,23 +112,28 @@ def check_no_input_dependent_state(model: tf.keras.Model, input_spec: Any,
             for v, value in zip(variables, saved):
                 v.assign(value)
 
-        after: List[List[np.ndarray]] = []
+        # Inference mode too: evaluate, predict and calling the DPModel run
+        # it, on private data as well.
+        after = {True: [], False: []}
         try:
-            for batch in batches:
-                model(batch, training=True)
-                after.append([v.numpy() for v in variables])
-                restore()  # Both probes start from the same state.
+            for training, states in after.items():
+                for batch in batches:
+                    model(batch, training=training)
+                    states.append([v.numpy() for v in variables])
+                    restore()  # Every probe starts from the same state.
         finally:
             restore()
     owners = _owners(model)
-    for v, first, second in zip(variables, *after):
-        if not np.array_equal(first, second, equal_nan=True):
-            name = getattr(v, 'path', None) or v.name
-            raise ValueError(
-                f'Layer {owners.get(id(v), model.name)!r} writes its '
-                f'variable {name!r} from its inputs in training '
-                'mode (two made-up batches left it with different values): '
-                'trained on private data it would be a noise-free statistic '
-                'of them, released with the model and not accounted. Compute '
-                'it from PUBLIC data and freeze it (e.g. give it as a '
-                'constant), or do not update it in call(training=True).')
+    for training, (first_states, second_states) in after.items():
+        for v, first, second in zip(variables, first_states, second_states):
+            if not np.array_equal(first, second, equal_nan=True):
+                name = getattr(v, 'path', None) or v.name
+                mode = 'training' if training else 'inference'
+                raise ValueError(
+                    f'Layer {owners.get(id(v), model.name)!r} writes its '
+                    f'variable {name!r} from its inputs in {mode} mode (two '
+                    'made-up batches left it with different values): on '
+                    'private data it would be a noise-free statistic of them, '
+                    'released with the model and not accounted. Compute it '
+                    'from PUBLIC data and freeze it (e.g. give it as a '
+                    'constant), or do not update it in call().')
