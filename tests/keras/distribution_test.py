@@ -94,6 +94,23 @@ def test_conv_update_with_extreme_records_does_not_depend_on_replicas(
                                    err_msg=f'R={replicas}')
 
 
+def test_a_basis_refresh_runs_under_the_strategy(results):
+    # The refresh read the model's distributed variables in the
+    # cross-replica context of fit's callbacks and failed ("handle is not
+    # available outside the replica context").
+    single = results['0']['basis_refresh']
+    assert single['refreshes'] == 2
+    assert np.abs(single['update']).max() > 1e-3
+    for replicas in ('1', '2', '4'):
+        got = results[replicas]['basis_refresh']
+        assert got['refreshes'] == 2, replicas
+        np.testing.assert_allclose(got['basis'], single['basis'], rtol=1e-4,
+                                   atol=1e-5, err_msg=f'R={replicas}')
+        np.testing.assert_allclose(got['update'], single['update'],
+                                   rtol=1e-5, atol=1e-6,
+                                   err_msg=f'R={replicas}')
+
+
 @pytest.mark.parametrize('path', PATHS)
 def test_saved_weights_load_under_the_strategy(results, path):
     # Keras 2 assigned the file's values as they were, which the loss

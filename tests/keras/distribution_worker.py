@@ -26,13 +26,14 @@ if not _MULTI_WORKER:
         _CPU, [tf.config.LogicalDeviceConfiguration()] * MAX_REPLICAS)
 
 # pylint: disable=wrong-import-position
+from tests import hybrid_setup  # noqa: E402
 from tests import markers  # noqa: E402
 from tests import tiny_models  # noqa: E402
 from tf_twice import models  # noqa: E402
 from tf_twice import optimizers  # noqa: E402
 from tf_twice import sampling  # noqa: E402
 from tf_twice.config import TwiceSamplingConfig  # noqa: E402
-from tf_twice.keras import DPModel, PrivacyLedger  # noqa: E402
+from tf_twice.keras import BasisRefresh, DPModel, PrivacyLedger  # noqa: E402
 
 NUM_EXAMPLES = 24
 # The optimizer path needs the tf_privacy-based DP optimizer classes.
@@ -146,6 +147,36 @@ def weights_reload(replicas, path):
     return result
 
 
+def basis_refresh_update(replicas):
+    """Two noiseless steps of a hybrid model whose basis a `BasisRefresh`
+    re-learns from public data before each step (the refresh, a callback
+    of fit, runs in the strategy's cross-replica context): the update and
+    the last basis's matrices."""
+    x, y = tiny_models.data(11, seed=3)
+    with _strategy(replicas).scope():
+        dp = DPModel(hybrid_setup.mlp(),
+                     hybrid_setup.params(noise_multiplier=(0.0, 0.0, 0.0)),
+                     basis=hybrid_setup.basis(), physical_batch_size=3,
+                     seed=17)
+        dp.compile(optimizer=tf.keras.optimizers.SGD(1.0),
+                   loss=hybrid_setup.loss())
+        refresh = BasisRefresh(
+            dp.inner_model, hybrid_setup.data(32, seed=1),
+            hybrid_setup.loss(), every_steps=1, on_refresh=dp.set_basis,
+            ranks=hybrid_setup.RANKS, groups=hybrid_setup.GROUPS)
+        before = [w.numpy() for w in dp.trainable_variables]
+        dp.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), epochs=1,
+               verbose=0, callbacks=[refresh])
+        return {
+            'refreshes': refresh.refresh_count,
+            'update': np.concatenate([
+                (w.numpy() - b).ravel()
+                for w, b in zip(dp.trainable_variables, before)]).tolist(),
+            'basis': np.concatenate([
+                m.numpy().ravel()
+                for m in refresh.basis.group_matrices]).tolist()}
+
+
 def noise_std_and_ledger(replicas, path):
     """Update std of zero-gradient steps (pure noise), and ledger steps."""
     z = 2.0
@@ -228,6 +259,9 @@ def main():
                              ('weights_reload', weights_reload),
                              ('noise', noise_std_and_ledger))}
         for replicas in sys.argv[1].split(',')}
+    for replicas in sys.argv[1].split(','):
+        result[replicas]['basis_refresh'] = basis_refresh_update(
+            int(replicas))
     print('RESULT ' + json.dumps(result))
 
 

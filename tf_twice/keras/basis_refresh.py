@@ -78,12 +78,28 @@ def public_per_example_gradients(
 
     chunks = [[] for _ in variables]
     for start in range(0, n, batch_size):
-        grads = chunk_gradients(
+        grads = _in_one_replica(
+            chunk_gradients,
             tf.nest.map_structure(lambda t: t[start:start + batch_size], x),
             y[start:start + batch_size])
         for v, g in enumerate(grads):
             chunks[v].append(g.numpy().astype(np.float32, copy=False))
     return [np.concatenate(c, axis=0) for c in chunks]
+
+
+def _in_one_replica(fn, *args):
+    """``fn(*args)``; in a strategy's cross-replica context (a callback of
+    ``fit`` under ``MirroredStrategy``), where the model's distributed
+    variables cannot be read, run in every replica (each computes the same
+    gradients of the same public examples) and the first replica's result
+    returned."""
+    if not (tf.distribute.has_strategy()
+            and tf.distribute.in_cross_replica_context()):
+        return fn(*args)
+    strategy = tf.distribute.get_strategy()
+    results = strategy.run(fn, args=args)
+    return tf.nest.map_structure(
+        lambda r: strategy.experimental_local_results(r)[0], results)
 
 
 def public_gradient_matrices(
