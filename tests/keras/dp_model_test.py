@@ -1,7 +1,10 @@
 """Tests of the per-example (fast) training path, DPModel."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -9,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tests import markers
+from tests.paths import ROOT
 from tests import reference
 from tests import tiny_models
 
@@ -208,6 +212,24 @@ def test_nothing_reaches_the_weights_through_the_losses_its_layers_add():
     _assert_all_close([v.numpy() for v in dp.weights], state, rtol=0,
                       atol=0)
     assert int(dp.steps_taken) == 0
+
+
+def test_tf1_graph_mode_is_refused():
+    # There Keras 2 trained an outer model with tf.gradients over the
+    # wrapped layers' symbolic losses, which reached the weights.
+    code = ('import tensorflow as tf\n'
+            'tf.compat.v1.disable_eager_execution()\n'
+            'from tests import tiny_models\n'
+            'from tf_twice.keras import DPModel\n'
+            'try:\n'
+            '    DPModel(tiny_models.mlp(), tiny_models.dp_config(\n'
+            '        expected_batch_size=4.0))\n'
+            'except ValueError as error:\n'
+            '    print("refused:", error)\n')
+    out = subprocess.run([sys.executable, '-c', code], check=True,
+                         capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
+    assert 'refused:' in out and 'disable_eager_execution' in out, out
 
 
 def test_per_example_gradients_are_computed_for_the_real_rows_only(

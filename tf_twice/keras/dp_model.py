@@ -136,6 +136,14 @@ class DPModel(tf.keras.Model):
           ValueError: an argument outside its range, or a config whose
             blocks do not fit the basis.
         """
+        if not tf.compat.v1.executing_eagerly_outside_functions():
+            # TF1 graph mode: Keras trains an outer model there with
+            # tf.gradients over the layers' symbolic losses, which `call`
+            # does not stop; the DP step itself never ran there.
+            raise ValueError(
+                'DPModel needs TensorFlow 2 behaviour, and '
+                'tf.compat.v1.disable_eager_execution() (or '
+                'disable_v2_behavior()) has switched it off in this process.')
         kwargs.setdefault('name', f'dp_{model.name}')
         super().__init__(**kwargs)
         if not isinstance(model, tf.keras.Model):

@@ -14,10 +14,11 @@ the inputs. State that does not (a step counter, Keras 3's dropout seed
 generators) ends up equal and is accepted. Every variable is restored
 afterwards.
 
-A probe sees what the layer does on these inputs only: a layer that writes
-its state only for some inputs (a rare class, a threshold), or into a
-variable the model does not track (a global captured by a Lambda), can
-escape it. Such a layer must not be trained privately.
+A probe sees what the layer does on these inputs only (two rows, run
+eagerly): a layer that writes its state only for some inputs (a rare class,
+a threshold) or batch sizes, only when traced, or into a variable the model
+does not track (a global captured by a Lambda), can escape it. Such a layer
+must not be trained privately.
 """
 
 from __future__ import annotations
