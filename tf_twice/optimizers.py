@@ -28,7 +28,8 @@ rather than O(B^2)).
 
 Availability: these classes subclass tensorflow-privacy's, which subclass
 Keras 2 (legacy) optimizers. ``from tf_twice import optimizers`` works on
-every supported stack; the names are built on first access and raise an
+every supported stack; the names are built at import where they can be
+(so that saved models find them) and otherwise raise, on first access, an
 ``ImportError`` that names the fix where tensorflow-privacy is missing
 (``pip install "tf_twice[tf-privacy]"``, Python < 3.12) or Keras is Keras 3
 (TensorFlow 2.15, or ``tf-keras`` with ``TF_USE_LEGACY_KERAS=1``).
@@ -65,9 +66,10 @@ __all__ = [
 ]
 
 # Every public name derives from tensorflow-privacy, which is optional and
-# works only with Keras 2: the names are built on first access (module
-# ``__getattr__``), so that ``from tf_twice import optimizers`` works on every
-# supported stack and the failure, where there is one, says what to do.
+# works only with Keras 2: the names are built by the module ``__getattr__``
+# (at import by `_build_where_available`, where the stack allows), so that
+# ``from tf_twice import optimizers`` works on every supported stack and the
+# failure, where there is one, says what to do.
 _CLASS_BASES = {
     'TwiceSamplingDPKerasSGDOptimizer': 'SGD',
     'TwiceSamplingDPKerasAdamOptimizer': 'Adam',
@@ -399,7 +401,6 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
     TwiceSamplingOptimizer.__qualname__ = class_name
     return tf.keras.utils.register_keras_serializable(package='tf_twice')(
         TwiceSamplingOptimizer)
-
 
 
 def _build_where_available() -> None:

@@ -36,9 +36,9 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
-# The one way to keep every gradient tape off a forward pass, including
-# the losses its layers add beside the outputs (tf.stop_gradient sees the
-# outputs only).
+# Keeps every gradient tape off the wrapped model's forward pass in `call`,
+# including what it leaves beside its outputs (tf.stop_gradient sees only
+# the tensors it is given).
 from tensorflow.python.eager import record
 
 from tf_twice import _keras

@@ -8,9 +8,9 @@ BatchNormalization is refused by name (`guards.check_no_example_mixing`);
 this module catches the same pattern under any other name, by behaviour:
 the model's forward pass, in training and in inference mode (evaluate,
 predict and calling a DPModel run the latter, on private data too), runs
-on two different made-up batches (never on training data), each from the same state, and a
-variable (trainable or not) that ends up different after the two depends on
-the inputs. State that does not (a step counter, Keras 3's dropout seed
+on two different made-up batches (never on training data), each from the
+same state, and a variable (trainable or not) that ends up different after
+the two depends on the inputs. State that does not (a step counter, Keras 3's dropout seed
 generators) ends up equal and is accepted. Every variable is restored
 afterwards.
 
@@ -23,7 +23,7 @@ must not be trained privately.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 import tensorflow as tf
