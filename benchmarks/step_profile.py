@@ -22,7 +22,10 @@ a little (more for graphs of many small ops), so ratios come from
 ``training_benchmark.py`` and ``step_breakdown_benchmark.py``. Usage:
 
   python benchmarks/step_profile.py [--model resnet22] [--batch-size 256]
-      [--steps 20]
+      [--steps 20] [--op-types 12]
+
+``--op-types N`` prints, instead of the groups, the N op types (as the
+profiler names oneDNN's kernels) that took the most CPU time per step.
 """
 
 import argparse
@@ -67,8 +70,14 @@ def _is_op_kernel(event: str) -> bool:
     return bool(node) and op.isidentifier()
 
 
-def profile(train_function, iterator, steps: int) -> Dict[str, float]:
-    """CPU ms per step in each group, over ``steps`` profiled steps."""
+def op_type_of(event: str) -> str:
+    return event.rpartition(':')[2]
+
+
+def profile(train_function, iterator, steps: int,
+            key=group_of) -> Dict[str, float]:
+    """CPU ms per step in each group (or other ``key`` of an op-kernel
+    event), over ``steps`` profiled steps."""
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
         for _ in range(steps):
@@ -90,7 +99,7 @@ def profile(train_function, iterator, steps: int) -> Dict[str, float]:
                 if name == 'ExecutorState::Process':
                     busy += duration
                 elif _is_op_kernel(name):
-                    ms[group_of(name)] += duration
+                    ms[key(name)] += duration
     ms['outside op kernels'] = max(0.0, busy - sum(ms.values()))
     return ms
 
@@ -109,6 +118,8 @@ def main() -> None:
     parser.add_argument('--batch-size', type=int, default=None,
                         help='default: 256 (small_cnn), 128 (resnet22)')
     parser.add_argument('--steps', type=int, default=20)
+    parser.add_argument('--op-types', type=int, default=0, metavar='N',
+                        help='print the N costliest op types instead')
     args = parser.parse_args()
     batch = args.batch_size or (256 if args.model == 'small_cnn' else 128)
     training_benchmark.MODEL[0] = args.model
@@ -120,9 +131,15 @@ def main() -> None:
         train_function = model.make_train_function() or model.train_function
         for _ in range(5):  # Traced and compiled before profiling.
             train_function(iterator)
-        table[label] = profile(train_function, iterator, args.steps)
+        table[label] = profile(train_function, iterator, args.steps,
+                               op_type_of if args.op_types else group_of)
     print(f'{args.model}, batch {batch}, TensorFlow {tf.__version__}: CPU '
           f'ms per step (profiled, mean of {args.steps} steps)')
+    if args.op_types:
+        for label, ms in table.items():
+            top = ms.most_common(args.op_types)
+            print(f'  {label}: ' + ', '.join(f'{op} {t:.2f}' for op, t in top))
+        return
     print(f'  {"":24s}' + ''.join(f'{name:>20s}' for name in table))
     for group in GROUPS + ('total',):
         cells = [sum(ms.values()) if group == 'total' else ms[group]
