@@ -40,9 +40,12 @@ Poisson overhead <= 1.1x; memory <= 1.2x. Usage:
       --skip-slow --skip-memory                       # the ResNet22 ratio
   python benchmarks/training_benchmark.py --compare-physical=32,128 \
       --skip-slow --skip-memory        # other chunk sizes, same rounds
+  python benchmarks/training_benchmark.py --compare-unfused \
+      --skip-slow --skip-memory        # the step without the fused forward
 """
 
 import argparse
+import contextlib
 import importlib
 import os
 import resource
@@ -67,6 +70,7 @@ from tf_twice.config import TwiceSamplingConfig  # noqa: E402
 from tf_twice.keras import DPModel  # noqa: E402
 from tf_twice.keras import default_physical_batch_size  # noqa: E402
 from tf_twice.keras import per_example  # noqa: E402
+from tf_twice.keras import vectorized_backprop  # noqa: E402
 
 import reference_inputs  # noqa: E402  Beside this script.
 from reference_inputs import IMAGE_SHAPE, NUM_CLASSES  # noqa: E402
@@ -187,6 +191,8 @@ def build(name: str, batch: int, physical: Optional[int]
         return private
     if name.startswith('fast path'):
         twice = 'q2=0.5' in name
+        if name == UNFUSED:
+            name = TWICE
         if PHYSICAL_TAG in name:  # A --compare-physical row.
             physical = int(name.split(PHYSICAL_TAG)[1])
         private = DPModel(model, _config(batch, twice, num_examples=n),
@@ -213,9 +219,28 @@ WARM_UP_STEPS = 12
 TWICE = 'fast path q2=0.5 linf=0.1'
 TWICE_FIXED = TWICE + ' fixed B'  # The same model on fixed batches of B.
 PHYSICAL_TAG = ' physical='  # TWICE with another chunk size.
+# TWICE_FIXED traced without the fusing converters (fixed batches: paired
+# without the Poisson batches' scatter).
+UNFUSED = TWICE + ' unfused fixed B'
+# vectorized_backprop's converters that apply a conv's bias and ReLU to its
+# own output, where oneDNN fuses them into it (--compare-unfused).
+FUSING_CONVERTERS = ('BiasAdd', 'Relu')
+
+
+@contextlib.contextmanager
+def _traced_unfused(name: str):
+    """While ``name`` is UNFUSED, traces take TensorFlow's own conversions
+    of the ops in FUSING_CONVERTERS."""
+    held = {op: vectorized_backprop.CONVERTERS.pop(op)
+            for op in (FUSING_CONVERTERS if name == UNFUSED else ())}
+    try:
+        yield
+    finally:
+        vectorized_backprop.CONVERTERS.update(held)
 FAST = ('non-private fit', 'fast path q2=1', TWICE, TWICE_FIXED,
         'optimizer path q2=0.5 linf=0.1')
-ON_FIXED_BATCHES = ('non-private fit', 'tf_privacy vectorized', TWICE_FIXED)
+ON_FIXED_BATCHES = ('non-private fit', 'tf_privacy vectorized', TWICE_FIXED,
+                    UNFUSED)
 
 
 def throughput(args) -> Dict[str, List[tuple]]:
@@ -230,7 +255,8 @@ def throughput(args) -> Dict[str, List[tuple]]:
             print(textwrap.fill(f'  skipped {name}: {reason}', width=79,
                                 subsequent_indent='    '), flush=True)
     fast = [name for name in FAST if unavailable(name) is None] + [
-        f'{TWICE}{PHYSICAL_TAG}{p}' for p in args.compare_physical]
+        f'{TWICE}{PHYSICAL_TAG}{p}' for p in args.compare_physical] + (
+            [UNFUSED] if args.compare_unfused else [])
     slow = [name for name in slow if unavailable(name) is None]
     data = {name: fixed if name in ON_FIXED_BATCHES else poisson
             for name in fast + slow}
@@ -245,12 +271,15 @@ def throughput(args) -> Dict[str, List[tuple]]:
         # physical batch 64). Twelve Poisson steps had left some sizes
         # unseen: three compiles fell in the first eleven timed steps,
         # about 5 CPU-ms per step over 200 steps.
-        models[name].fit(data[name], steps_per_epoch=1, epochs=1, verbose=0)
-        if name in fast:
-            models[name].fit(data[name], steps_per_epoch=WARM_UP_STEPS,
-                             epochs=1, verbose=0)
-        if data[name] is poisson and isinstance(models[name], DPModel):
-            models[name].fit(every_last_chunk_size(models[name]), verbose=0)
+        with _traced_unfused(name):  # Every trace of the model's steps.
+            models[name].fit(data[name], steps_per_epoch=1, epochs=1,
+                             verbose=0)
+            if name in fast:
+                models[name].fit(data[name], steps_per_epoch=WARM_UP_STEPS,
+                                 epochs=1, verbose=0)
+            if data[name] is poisson and isinstance(models[name], DPModel):
+                models[name].fit(every_last_chunk_size(models[name]),
+                                 verbose=0)
     for name in slow:
         results[name] = [time_fit(models[name], data[name], args.slow_steps,
                                   batch)]
@@ -259,8 +288,9 @@ def throughput(args) -> Dict[str, List[tuple]]:
         # Rotate the order so no configuration always runs first or last.
         order = fast[r % len(fast):] + fast[:r % len(fast)]
         for name in order:
-            results.setdefault(name, []).append(
-                time_fit(models[name], data[name], args.steps, batch))
+            with _traced_unfused(name):
+                results.setdefault(name, []).append(
+                    time_fit(models[name], data[name], args.steps, batch))
         print(f'  round {r + 1}: ' + ', '.join(
             f'{n} {results[n][-1][0]:.0f}' for n in fast), flush=True)
     return results
@@ -336,6 +366,10 @@ def main(argv=None) -> None:
         '--compare-physical', type=lambda v: [int(p) for p in v.split(',')],
         default=[], help='comma-separated chunk sizes: adds a twice-sampling '
         'row for each, timed in the same rounds')
+    parser.add_argument(
+        '--compare-unfused', action='store_true',
+        help='adds the twice-sampling row traced without the converters '
+        'that let oneDNN fuse a conv with its bias and ReLU')
     parser.add_argument('--steps', type=int, default=10,
                         help='timed steps per round of the fast configs')
     parser.add_argument('--rounds', type=int, default=6)
@@ -400,6 +434,8 @@ def main(argv=None) -> None:
               'informative')
         ratio(f'{twice}{PHYSICAL_TAG}{p}', twice, None,
               f'informative: physical batch {p} against {physical}')
+    ratio(TWICE_FIXED, UNFUSED, None,
+          'informative: the fused forward against the unfused one')
     ratio('optimizer path q2=0.5 linf=0.1', twice, None,
           'informative: the same per-example step')
     for clock, label in ((0, 'wall'), (1, 'CPU')):

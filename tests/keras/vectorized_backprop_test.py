@@ -192,6 +192,31 @@ MAX_POOL = [
 ]
 
 
+@pytest.mark.parametrize('options', [
+    dict(activation='relu'), dict(), dict(activation='relu', use_bias=False)],
+                         ids=str)
+def test_a_convs_bias_and_relu_run_on_its_output(monkeypatch, options):
+    # Applied to the conv's own [examples, h, w, c] output, where oneDNN
+    # fuses them into it; TensorFlow's conversions put reshapes between.
+    shape = (9, 8, 3)
+    model = _model(tf.keras.layers.Conv2D(4, 3, padding='same', **options),
+                   shape)
+    x, y = _data(shape)
+    calls = {op: _count_conversions(monkeypatch, op)
+             for op in ('BiasAdd', 'Relu')}
+    got = tf.function(lambda x, y: per_example.gradients(
+        model, LOSS, x, y).gradients)(x, y)
+    # The Dense layer's BiasAdd (after a MatMul) goes to TensorFlow's.
+    bias = options.get('use_bias', True)
+    assert sorted(calls['BiasAdd']) == ['ours'] * (2 if bias else 1) + [
+        'stock']
+    relu = options.get('activation') == 'relu'
+    assert calls['Relu'] == (['ours'] if relu and bias else
+                             ['ours', 'stock'] if relu else [])
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize('options', MAX_POOL, ids=str)
 def test_max_pool_gradients_equal_each_example_alone(monkeypatch, options):
     shape = (9, 8, 2)

@@ -134,11 +134,11 @@ def gradients(model: tf.keras.Model, loss: LossFn, x: Any, y: tf.Tensor, *,
     def one_example(args):
         xi, yi = args
         xi = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), xi)
-        with tf.GradientTape() as tape:
-            prediction = model(xi, training=training)
-            example_loss = losses(model, loss, tf.expand_dims(yi, 0),
-                                  prediction)[0]
         with vectorized_backprop.faster_conversions():
+            with tf.GradientTape() as tape:
+                prediction = model(xi, training=training)
+                example_loss = losses(model, loss, tf.expand_dims(yi, 0),
+                                      prediction)[0]
             grads = tape.gradient(
                 example_loss, variables,
                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
