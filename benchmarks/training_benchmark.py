@@ -237,6 +237,8 @@ def _traced_unfused(name: str):
         yield
     finally:
         vectorized_backprop.CONVERTERS.update(held)
+
+
 FAST = ('non-private fit', 'fast path q2=1', TWICE, TWICE_FIXED,
         'optimizer path q2=0.5 linf=0.1')
 ON_FIXED_BATCHES = ('non-private fit', 'tf_privacy vectorized', TWICE_FIXED,
