@@ -191,8 +191,6 @@ def build(name: str, batch: int, physical: Optional[int]
         return private
     if name.startswith('fast path'):
         twice = 'q2=0.5' in name
-        if name == UNFUSED:
-            name = TWICE
         if PHYSICAL_TAG in name:  # A --compare-physical row.
             physical = int(name.split(PHYSICAL_TAG)[1])
         private = DPModel(model, _config(batch, twice, num_examples=n),

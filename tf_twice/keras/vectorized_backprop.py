@@ -249,10 +249,11 @@ def _restacked(pfor_input, x):
         tf.reshape(x, tf.concat([loop_len, [-1], shape[1:]], axis=0)), True)
 
 
-def _conv2d_of(t):
-    """The 4-D Conv2D output that TensorFlow's conversion reshaped into the
+def _reshaped_from(t, op_type):
+    """The [examples * rows, ...] output of an ``op_type`` op that a
+    conversion (TensorFlow's of Conv2D, or `_restacked`) reshaped into the
     stacked ``t``, or None."""
-    if t.op.type == 'Reshape' and t.op.inputs[0].op.type == 'Conv2D':
+    if t.op.type == 'Reshape' and t.op.inputs[0].op.type == op_type:
         return t.op.inputs[0]
     return None
 
@@ -260,7 +261,7 @@ def _conv2d_of(t):
 def _convert_bias_add(pfor_input):
     t, t_stacked, _ = pfor_input.input(0)
     bias, bias_stacked, _ = pfor_input.input(1)
-    conv = _conv2d_of(t) if t_stacked else None
+    conv = _reshaped_from(t, 'Conv2D') if t_stacked else None
     if (conv is None or bias_stacked
             or pfor_input.get_attr('data_format') != b'NHWC'):
         return _stock(pfor_input)
@@ -269,11 +270,10 @@ def _convert_bias_add(pfor_input):
 
 def _convert_relu(pfor_input):
     t, t_stacked, _ = pfor_input.input(0)
-    inner = t.op.inputs[0] if t.op.type == 'Reshape' else None
-    if not (t_stacked and inner is not None and inner.op.type == 'BiasAdd'
-            and inner.op.inputs[0].op.type == 'Conv2D'):
+    biased = _reshaped_from(t, 'BiasAdd') if t_stacked else None
+    if biased is None or biased.op.inputs[0].op.type != 'Conv2D':
         return _stock(pfor_input)
-    return _restacked(pfor_input, tf.nn.relu(inner))
+    return _restacked(pfor_input, tf.nn.relu(biased))
 
 
 CONVERTERS = {

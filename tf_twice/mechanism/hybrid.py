@@ -68,9 +68,6 @@ def check_block_params(config: config_lib.TwiceSamplingConfig,
     if not isinstance(config, config_lib.TwiceSamplingConfig):
         raise ValueError('config must be a tf_twice TwiceSamplingConfig; got '
                          f'{type(config).__name__}.')
-    if basis is not None and not isinstance(basis, basis_lib.HybridBasis):
-        raise ValueError('basis must be a tf_twice HybridBasis or None; got '
-                         f'{type(basis).__name__}.')
     if basis is None:
         if config.num_blocks != 1:
             raise ValueError(
@@ -78,6 +75,7 @@ def check_block_params(config: config_lib.TwiceSamplingConfig,
                 'given: use one Block, or basis=HybridBasis(...) (e.g. from '
                 'learn_basis) for hybrid clipping.')
         return
+    check_is_basis(basis)
     m = basis.num_blocks
     if config.num_blocks != m:
         raise ValueError(
