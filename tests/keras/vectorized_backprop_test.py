@@ -4,10 +4,11 @@ Each example's gradients from `per_example.gradients` (which attaches
 `vectorized_backprop`'s converters under `tf.vectorized_map`) must equal the
 ones computed for that example alone, eagerly, by TensorFlow's own
 gradients, for every padding, stride, dilation and kernel or pool shape a
-Keras Conv2D, Conv1D or MaxPool2D takes, by both constructions of a conv
-kernel's gradients (one grouped convolution, or one matrix product per
-kernel tap); the converter must really be the one that ran; and a NaN in
-one example must not reach another's gradient.
+Keras Conv2D, Conv1D or MaxPool2D takes, by each construction of a conv
+kernel's gradients (one grouped convolution, one matrix product of the
+gathered columns, or one matrix product per kernel tap); the converter must
+really be the one that ran; and a NaN in one example must not reach
+another's gradient.
 """
 
 import numpy as np
@@ -49,31 +50,46 @@ def _one_at_a_time(model, x, y):
     return [np.stack(column) for column in zip(*rows)]
 
 
-@pytest.fixture(params=['grouped', 'taps'])
+@pytest.fixture(params=['grouped', 'columns', 'taps'])
 def construction(request, monkeypatch):
     """Runs a test with each construction of conv kernel gradients, and
-    lists the convs the grouped one converted."""
-    grouped = []
+    lists the convs that the grouped one or the columns converted."""
+    converted = []
+
+    def count(function_name):
+        convert = getattr(vectorized_backprop, function_name)
+
+        def counted(*args, **kwargs):
+            converted.append(args)
+            return convert(*args, **kwargs)
+
+        monkeypatch.setattr(vectorized_backprop, function_name, counted)
+
+    everywhere, nowhere = {'COLUMNS_MAX_POSITIONS': 10**9}, {
+        'COLUMNS_MAX_POSITIONS': 0, 'COLUMNS_MIN_CHANNELS': 10**9}
     if request.param == 'grouped':
         if not vectorized_backprop._grouped_applies(1, tf.float32, b'SAME'):
             pytest.skip('this CPU kernel takes no grouped convolution (or a '
                         'GPU is visible)')
-
-        def counted(*args):
-            grouped.append(args[-1])
-            return convert(*args)
-
-        convert = vectorized_backprop._grouped_filter_gradients
-        monkeypatch.setattr(vectorized_backprop, '_grouped_filter_gradients',
-                            counted)
+        count('_grouped_filter_gradients')
+        limits = nowhere
     else:
-        monkeypatch.setattr(vectorized_backprop, 'GROUPED_MAX_CHANNELS', 0)
-    return request.param, grouped
+        limits = dict(nowhere, GROUPED_MAX_CHANNELS=0)
+        if request.param == 'columns':
+            count('_column_filter_gradients')
+            limits.update(everywhere)
+    for name, value in limits.items():
+        monkeypatch.setattr(vectorized_backprop, name, value)
+    return request.param, converted
 
 
-def _check_construction(construction, convs=1):
-    name, grouped = construction
-    assert len(grouped) == (convs if name == 'grouped' else 0)
+def _check_construction(construction, convs=1, grouped=True):
+    """That the construction under test converted all ``convs`` convs (the
+    taps: none of them went elsewhere); ``grouped=False`` where the grouped
+    one does not apply, so the taps run instead."""
+    name, converted = construction
+    runs = name == 'columns' or (name == 'grouped' and grouped)
+    assert len(converted) == (convs if runs else 0)
 
 
 def _count_conversions(monkeypatch, op_type='Conv2DBackpropFilter'):
@@ -172,7 +188,8 @@ class _ExplicitlyPaddedConv(tf.keras.layers.Layer):
 
 
 @pytest.mark.parametrize('strides', [1, 2])
-def test_explicit_padding_runs_the_taps(monkeypatch, strides, construction):
+def test_explicit_padding_runs_the_taps_or_the_columns(monkeypatch, strides,
+                                                      construction):
     # The grouped construction does not take explicit padding on a CPU.
     shape = (9, 8, 3)
     model = _model(_ExplicitlyPaddedConv(strides), shape)
@@ -180,9 +197,28 @@ def test_explicit_padding_runs_the_taps(monkeypatch, strides, construction):
     calls = _count_conversions(monkeypatch)
     got = per_example.gradients(model, LOSS, x, y).gradients
     assert calls == ['ours']
-    _check_construction(construction, convs=0)
+    _check_construction(construction, grouped=False)
     for g, want in zip(got, _one_at_a_time(model, x, y)):
         np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
+def test_a_16_bit_convs_kernel_gradients_equal_each_example_alone(
+        monkeypatch, construction):
+    # A mixed_float16 conv: float16 inputs and output gradients (the taps
+    # and the columns sum their products in float32, TensorFlow's kernel
+    # for the example alone in float16: float16's precision apart).
+    shape = (9, 8, 3)
+    model = _model(tf.keras.layers.Conv2D(
+        4, 3, padding='same',
+        dtype=tf.keras.mixed_precision.Policy('mixed_float16')), shape)
+    x, y = _data(shape)
+    calls = _count_conversions(monkeypatch)
+    got = per_example.gradients(model, LOSS, x, y).gradients
+    assert calls == ['ours']
+    # The grouped convolution takes float32 only.
+    _check_construction(construction, grouped=False)
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-2, atol=1e-2)
 
 
 MAX_POOL = [

@@ -8,25 +8,40 @@ reference CNN (`benchmarks/conv_per_example_benchmark.py`, per-op traces):
 * ``Conv2DBackpropFilter`` (a conv kernel's gradient) with a per-example
   input becomes a ``while_loop`` of batch-1 ops over the examples
   (TensorFlow logs "Conv2DBackpropFilter uses a while_loop. Fix that!").
-  Here it becomes either
-
-  - one grouped ``Conv2DBackpropFilter`` with the examples as its groups
-    (input [b, h, w, examples * channels]): on a CPU whose kernel takes
-    groups (oneDNN's), for float32 convs of at most 16 input channels
-    padded SAME or VALID (oneDNN's kernel takes no explicit padding),
-    where it took 0.71-0.85x the CPU time of the taps below on the
-    reference CNN's and ResNet22's shapes (64 examples,
-    `benchmarks/conv_per_example_benchmark.py`; with 32 and 64 channels
-    1.03-1.42x); or
-  - kh * kw batched matrix products: the gradient of kernel tap (i, j) is
-    the example's padded input shifted by the tap, times its output
-    gradient, summed over output positions (and over the rows of the
-    example's own batch, e.g. the time steps of a ``TimeDistributed``
-    conv),
+  Each example's kernel gradient sums, over output positions (and over the
+  rows of the example's own batch, e.g. the time steps of a
+  ``TimeDistributed`` conv), what each kernel tap (i, j) read there times
+  the output gradient:
 
         dW[e, i, j] = sum_{h, w} x_e[h*s + i*d, w*s + j*d, :]^T dy_e[h, w, :]
 
-    (strides s, dilations d), accumulated in float32 for 16-bit inputs.
+  (strides s, dilations d, x_e padded as the conv pads it). Here it
+  becomes, on a CPU (measured in CPU time against the batch's summed
+  gradient, 64 examples, `benchmarks/conv_per_example_benchmark.py`),
+
+  - the columns: each example's input gathered into one row per output
+    position holding what every tap reads there (im2col), times its output
+    gradient in one batched matrix product; for convs of at most
+    `COLUMNS_MAX_POSITIONS` output positions or at least
+    `COLUMNS_MIN_CHANNELS` input channels, where it took 0.53-0.98x the
+    taps' CPU time (ResNet22's 8x8 convs of 64 channels, and 3x3 convs of
+    64-256 channels at sides 16-4, ``--model wide``); on ResNet22's and the
+    reference CNN's other convs (more positions, fewer channels)
+    1.05-2.21x the CPU time of the construction below that runs there,
+    except ResNet22's stride-2 conv of 16 channels (0.88-0.90x the grouped
+    convolution's; left to it by this simple rule);
+  - else, one grouped ``Conv2DBackpropFilter`` with the examples as its
+    groups (input [b, h, w, examples * channels]), on a CPU whose kernel
+    takes groups (oneDNN's), for float32 convs of at most 16 input
+    channels padded SAME or VALID (oneDNN's kernel takes no explicit
+    padding), where it took 0.71-0.85x the CPU time of the taps on the
+    reference CNN's and ResNet22's shapes (with 32 and 64 channels
+    1.03-1.42x);
+  - else (and wherever a GPU could run the op, where neither was
+    measured), kh * kw batched matrix products, one per tap, of the
+    example's padded input shifted by the tap and its output gradient.
+
+  The columns and the taps accumulate in float32 for 16-bit inputs.
 * ``MaxPoolGrad``: TensorFlow's conversion reshapes its inputs, which hides
   the forward ``MaxPool`` from oneDNN's graph rewrite, so the slow
   reference kernel runs (10x the batched pass's on the reference CNN). Here
@@ -39,8 +54,9 @@ reference CNN (`benchmarks/conv_per_example_benchmark.py`, per-op traces):
   output, reshaped after them. The reference CNN's twice-sampling step
   then trained 1.080x (TensorFlow 2.15) and 1.039x (2.21) the examples per
   CPU-second, about the same per wall second (1.013x, 1.011x)
-  (`benchmarks/training_benchmark.py --compare-unfused`, fixed batches of
-  256, 12 paired rounds of 30 steps; round ratios 0.79-1.26).
+  (`benchmarks/training_benchmark.py --compare-without=fusion` (then
+  ``--compare-unfused``), fixed batches of 256, 12 paired rounds of 30
+  steps; round ratios 0.79-1.26).
 
 Each example's result reads that example's tensors alone, as TensorFlow's
 conversions do: per-example gradients stay isolated (SPEC section 11), a NaN
@@ -60,6 +76,7 @@ import contextlib
 import functools
 from typing import Iterator, List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
@@ -96,6 +113,12 @@ def _static_ints(values: Sequence) -> Optional[List[int]]:
 # Input channels up to which the grouped construction is used (above, the
 # taps were faster; module docstring).
 GROUPED_MAX_CHANNELS = 16
+# The columns are used for convs of at most this many output positions
+# (before the grouped construction) and of at least this many input channels
+# (instead of the taps); elsewhere the grouped convolution or the taps were
+# faster (module docstring).
+COLUMNS_MAX_POSITIONS = 64
+COLUMNS_MIN_CHANNELS = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,13 +138,17 @@ def _cpu_takes_grouped_filter_gradients() -> bool:
     return True
 
 
+def _cpu_only() -> bool:
+    # The grouped convolution and the columns were measured on CPUs only:
+    # where a GPU could run the op, the taps stay.
+    return not tf.config.list_logical_devices('GPU')
+
+
 def _grouped_applies(channels: int, dtype: tf.DType, padding: bytes) -> bool:
-    # Measured on CPUs only: where a GPU could run the op, the taps stay.
     # oneDNN's kernel does not take explicit padding; TensorFlow's, which
     # then runs, takes no groups.
     return (dtype == tf.float32 and channels <= GROUPED_MAX_CHANNELS
-            and padding != b'EXPLICIT'
-            and not tf.config.list_logical_devices('GPU')
+            and padding != b'EXPLICIT' and _cpu_only()
             and _cpu_takes_grouped_filter_gradients())
 
 
@@ -163,15 +190,20 @@ def _convert_conv2d_backprop_filter(pfor_input):
             or inputs.shape[-1] != kernel_size[2]):
         return _stock(pfor_input)
     kh, kw, channels, filters = (int(k) for k in kernel_size)
-    if _grouped_applies(channels, grads.dtype,
-                        pfor_input.get_attr('padding')):
-        return _grouped_filter_gradients(pfor_input, inputs, grads,
-                                         (kh, kw, channels, filters))
     (out_h, out_w) = out_shape
     _, sh, sw, _ = pfor_input.get_attr('strides')
     _, dh, dw, _ = pfor_input.get_attr('dilations')
     pads = _conv_paddings(pfor_input, in_shape, out_shape, (kh, kw),
                           (sh, sw), (dh, dw))
+    if _cpu_only() and (out_h * out_w <= COLUMNS_MAX_POSITIONS
+                        or channels >= COLUMNS_MIN_CHANNELS):
+        return _column_filter_gradients(inputs, grads, in_shape, out_shape,
+                                        (kh, kw, channels, filters), pads,
+                                        (sh, sw), (dh, dw))
+    if _grouped_applies(channels, grads.dtype,
+                        pfor_input.get_attr('padding')):
+        return _grouped_filter_gradients(pfor_input, inputs, grads,
+                                         (kh, kw, channels, filters))
     # Row h * s + i * d of the padded input is row h + (i * d) // s of
     # phase (i * d) % s once rows are grouped s at a time, so every tap reads
     # a unit-stride slice (a strided one copies ~10x slower on a CPU). The
@@ -198,6 +230,41 @@ def _convert_conv2d_backprop_filter(pfor_input):
             taps.append(tf.matmul(tf.reshape(window, [examples, -1, channels]),
                                   dy, transpose_a=True))
     kernel = tf.reshape(tf.stack(taps, axis=1),
+                        [examples, kh, kw, channels, filters])
+    return pfor_lib.wrap(tf.cast(kernel, grads.dtype), True)
+
+
+def _column_filter_gradients(inputs, grads, in_shape, out_shape,
+                             kernel_size, pads, strides, dilations):
+    """[examples, kh, kw, channels, filters]: each example's input gathered
+    into its columns, one row per output position holding what every tap
+    reads there (im2col), times its output gradient in one matrix product.
+
+        dW[e] = sum_p columns_e[p]^T dy_e[p],
+        columns_e[p = (h, w)] = x_e[h*s + i*d, w*s + j*d, :] over taps (i, j)
+    """
+    kh, kw, channels, filters = kernel_size
+    (top, bottom), (left, right) = pads
+    padded_w = in_shape[1] + left + right
+    # Flat index of the padded row and column that tap (i, j) reads at
+    # position (h, w); tap-major within a row, as the kernel is laid out.
+    rows = (np.arange(out_shape[0])[:, None, None, None] * strides[0]
+            + np.arange(kh)[None, None, :, None] * dilations[0])
+    cols = (np.arange(out_shape[1])[None, :, None, None] * strides[1]
+            + np.arange(kw)[None, None, None, :] * dilations[1])
+    index = (rows * padded_w + cols).reshape(out_shape[0] * out_shape[1],
+                                             kh * kw)
+    x = tf.pad(inputs, [[0, 0], [0, 0], [top, bottom], [left, right],
+                        [0, 0]])
+    examples = tf.shape(x)[0]
+    x = tf.reshape(x, [examples, -1, (in_shape[0] + top + bottom) * padded_w,
+                       channels])
+    dy = tf.reshape(grads, [examples, -1, filters])
+    if dy.dtype in (tf.float16, tf.bfloat16):  # Sums of many products.
+        x, dy = tf.cast(x, tf.float32), tf.cast(dy, tf.float32)
+    columns = tf.reshape(tf.gather(x, index.astype(np.int32), axis=2),
+                         [examples, -1, kh * kw * channels])
+    kernel = tf.reshape(tf.matmul(columns, dy, transpose_a=True),
                         [examples, kh, kw, channels, filters])
     return pfor_lib.wrap(tf.cast(kernel, grads.dtype), True)
 
