@@ -16,7 +16,10 @@ CNN, or ResNet22 with ``--model resnet22``; random data, CPU), times:
     written out, ``tf_twice.mechanism.outer_products``), standard DP-SGD;
   * ``DP chunk q2=0.5 linf=0.1``: the same with twice sampling and an
     l-infinity clip (its excess over ``DP chunk q2=1`` is the
-    twice-sampling overhead).
+    twice-sampling overhead);
+  * ``the same without columns``: that chunk with the conv kernel
+    gradients built without ``vectorized_backprop``'s columns (by the
+    grouped convolution or the taps instead).
 
 Timings are paired: every round times every part once (rotated order) in
 CPU time, and a ratio is the median over rounds of the ratio to the summed
@@ -71,11 +74,16 @@ def parts(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
             linf_norm_clip=LINF_CLIP if twice else None,
             coordinate_sampling_rate=0.5 if twice else 1.0, key=key)
 
+    without_columns = tf.function(dp_chunk(True))
+    with mock.patch.multiple(vectorized_backprop, COLUMNS_MAX_POSITIONS=0,
+                             COLUMNS_MIN_CHANNELS=10**9):
+        without_columns.get_concrete_function()  # Traced without them.
     return {'summed gradient': tf.function(summed),
             'per-example (tf_twice)': with_conversions,
             'per-example (TensorFlow)': tensorflow_only,
             'DP chunk q2=1': tf.function(dp_chunk(False)),
-            'DP chunk q2=0.5 linf=0.1': tf.function(dp_chunk(True))}
+            'DP chunk q2=0.5 linf=0.1': tf.function(dp_chunk(True)),
+            'the same without columns': without_columns}
 
 
 def main() -> None:

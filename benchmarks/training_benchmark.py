@@ -40,8 +40,8 @@ Poisson overhead <= 1.1x; memory <= 1.2x. Usage:
       --skip-slow --skip-memory                       # the ResNet22 ratio
   python benchmarks/training_benchmark.py --compare-physical=32,128 \
       --skip-slow --skip-memory        # other chunk sizes, same rounds
-  python benchmarks/training_benchmark.py --compare-unfused \
-      --skip-slow --skip-memory        # the step without the fused forward
+  python benchmarks/training_benchmark.py --compare-without=fusion,columns \
+      --skip-slow --skip-memory        # the step without pieces of it
 """
 
 import argparse
@@ -55,6 +55,7 @@ import sys
 import textwrap
 import time
 from typing import Dict, List, Optional, Tuple
+from unittest import mock
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
@@ -217,30 +218,38 @@ WARM_UP_STEPS = 12
 TWICE = 'fast path q2=0.5 linf=0.1'
 TWICE_FIXED = TWICE + ' fixed B'  # The same model on fixed batches of B.
 PHYSICAL_TAG = ' physical='  # TWICE with another chunk size.
-# TWICE_FIXED traced without the fusing converters (fixed batches: paired
-# without the Poisson batches' scatter).
-UNFUSED = TWICE + ' unfused fixed B'
-# vectorized_backprop's converters that apply a conv's bias and ReLU to its
-# own output, where oneDNN fuses them into it (--compare-unfused).
+# TWICE_FIXED traced without one piece of vectorized_backprop (fixed
+# batches: paired without the Poisson batches' scatter), for --compare-without:
+# the converters that apply a conv's bias and ReLU to its own output, where
+# oneDNN fuses them into it; or the columns construction of conv kernel
+# gradients (the grouped convolution or the taps instead).
+WITHOUT = {'fusion': TWICE + ' unfused fixed B',
+           'columns': TWICE + ' without columns fixed B'}
 FUSING_CONVERTERS = ('BiasAdd', 'Relu')
 
 
 @contextlib.contextmanager
-def _traced_unfused(name: str):
-    """While ``name`` is UNFUSED, traces take TensorFlow's own conversions
-    of the ops in FUSING_CONVERTERS."""
-    held = {op: vectorized_backprop.CONVERTERS.pop(op)
-            for op in (FUSING_CONVERTERS if name == UNFUSED else ())}
-    try:
+def _traced_without(name: str):
+    """While ``name`` is a WITHOUT row, traces of its steps run without
+    that row's piece of vectorized_backprop."""
+    with contextlib.ExitStack() as stack:
+        if name == WITHOUT['fusion']:
+            # Restored on exit: TensorFlow's own conversions meanwhile.
+            stack.enter_context(
+                mock.patch.dict(vectorized_backprop.CONVERTERS))
+            for op in FUSING_CONVERTERS:
+                del vectorized_backprop.CONVERTERS[op]
+        if name == WITHOUT['columns']:
+            stack.enter_context(mock.patch.multiple(
+                vectorized_backprop, COLUMNS_MAX_POSITIONS=0,
+                COLUMNS_MIN_CHANNELS=10**9))
         yield
-    finally:
-        vectorized_backprop.CONVERTERS.update(held)
 
 
 FAST = ('non-private fit', 'fast path q2=1', TWICE, TWICE_FIXED,
         'optimizer path q2=0.5 linf=0.1')
-ON_FIXED_BATCHES = ('non-private fit', 'tf_privacy vectorized', TWICE_FIXED,
-                    UNFUSED)
+ON_FIXED_BATCHES = ('non-private fit', 'tf_privacy vectorized',
+                    TWICE_FIXED) + tuple(WITHOUT.values())
 
 
 def throughput(args) -> Dict[str, List[tuple]]:
@@ -256,7 +265,7 @@ def throughput(args) -> Dict[str, List[tuple]]:
                                 subsequent_indent='    '), flush=True)
     fast = [name for name in FAST if unavailable(name) is None] + [
         f'{TWICE}{PHYSICAL_TAG}{p}' for p in args.compare_physical] + (
-            [UNFUSED] if args.compare_unfused else [])
+            [WITHOUT[piece] for piece in args.compare_without])
     slow = [name for name in slow if unavailable(name) is None]
     data = {name: fixed if name in ON_FIXED_BATCHES else poisson
             for name in fast + slow}
@@ -271,7 +280,7 @@ def throughput(args) -> Dict[str, List[tuple]]:
         # physical batch 64). Twelve Poisson steps had left some sizes
         # unseen: three compiles fell in the first eleven timed steps,
         # about 5 CPU-ms per step over 200 steps.
-        with _traced_unfused(name):  # Every trace of the model's steps.
+        with _traced_without(name):  # Every trace of the model's steps.
             models[name].fit(data[name], steps_per_epoch=1, epochs=1,
                              verbose=0)
             if name in fast:
@@ -288,7 +297,7 @@ def throughput(args) -> Dict[str, List[tuple]]:
         # Rotate the order so no configuration always runs first or last.
         order = fast[r % len(fast):] + fast[:r % len(fast)]
         for name in order:
-            with _traced_unfused(name):
+            with _traced_without(name):
                 results.setdefault(name, []).append(
                     time_fit(models[name], data[name], args.steps, batch))
         print(f'  round {r + 1}: ' + ', '.join(
@@ -367,9 +376,12 @@ def main(argv=None) -> None:
         default=[], help='comma-separated chunk sizes: adds a twice-sampling '
         'row for each, timed in the same rounds')
     parser.add_argument(
-        '--compare-unfused', action='store_true',
-        help='adds the twice-sampling row traced without the converters '
-        'that let oneDNN fuse a conv with its bias and ReLU')
+        '--compare-without', type=lambda v: v.split(','), default=[],
+        metavar='fusion,columns',
+        help='adds, for each piece named, the twice-sampling row on fixed '
+        'batches traced without it: "fusion", the converters that let oneDNN '
+        'fuse a conv with its bias and ReLU; "columns", the columns '
+        'construction of conv kernel gradients')
     parser.add_argument('--steps', type=int, default=10,
                         help='timed steps per round of the fast configs')
     parser.add_argument('--rounds', type=int, default=6)
@@ -434,8 +446,9 @@ def main(argv=None) -> None:
               'informative')
         ratio(f'{twice}{PHYSICAL_TAG}{p}', twice, None,
               f'informative: physical batch {p} against {physical}')
-    ratio(TWICE_FIXED, UNFUSED, None,
-          'informative: the fused forward against the unfused one')
+    for piece, name in WITHOUT.items():
+        ratio(TWICE_FIXED, name, None,
+              f'informative: with {piece} against without')
     ratio('optimizer path q2=0.5 linf=0.1', twice, None,
           'informative: the same per-example step')
     for clock, label in ((0, 'wall'), (1, 'CPU')):
