@@ -291,6 +291,49 @@ def test_a_non_finite_example_leaves_the_others_exact(value, construction):
                                    rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in tf.__version__.split('.')[:2]) < (2, 16),
+    reason="TensorFlow 2.15's own conversion of the Dense layer's product "
+    'fails on an empty batch of run-time size')
+def test_an_empty_batch_of_run_time_size_gives_empty_gradients(construction):
+    # With no examples, TensorFlow's conversions upstream hand the conv an
+    # output gradient of another empty shape, which a reshape with -1
+    # turned into sizes the matrix products refused.
+    shape = (6, 6, 2)
+    model = _model(tf.keras.layers.Conv2D(4, 3, padding='same'), shape)
+    run = tf.function(lambda x, y: per_example.gradients(
+        model, LOSS, x, y).gradients, input_signature=[
+            tf.TensorSpec((None,) + shape), tf.TensorSpec([None], tf.int32)])
+    got = run(np.zeros((0,) + shape, np.float32), np.zeros([0], np.int32))
+    _check_construction(construction)
+    assert [g.shape for g in got] == [
+        [0] + v.shape.as_list() for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize('side, channels, columns', [
+    ((8, 8), 2, True), ((9, 8), 2, False),  # 64 and 72 output positions.
+    ((16, 16), 64, True), ((17, 16), 64, False),  # 256 and 272, wide.
+    ((9, 8), 63, False)])
+def test_the_columns_run_for_few_positions_or_many_channels(
+        monkeypatch, side, channels, columns):
+    # The rule of the default limits (measured, module docstring); above
+    # 256 positions the columns' kh * kw copies of the input would be
+    # unmeasured memory.
+    if not vectorized_backprop._cpu_only():
+        pytest.skip('a GPU is visible: the taps run')
+    converted = []
+    convert = vectorized_backprop._column_filter_gradients
+    monkeypatch.setattr(vectorized_backprop, '_column_filter_gradients',
+                        lambda *args: converted.append(1) or convert(*args))
+    shape = side + (channels,)
+    model = _model(tf.keras.layers.Conv2D(2, 3, padding='same'), shape)
+    x, y = _data(shape)
+    got = per_example.gradients(model, LOSS, x, y).gradients
+    assert len(converted) == int(columns)
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
 def test_spatial_size_known_only_at_run_time_falls_back(monkeypatch):
     model = tf.keras.Sequential([
         tf.keras.Input(shape=(None, None, 1)),

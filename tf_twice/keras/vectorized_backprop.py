@@ -22,8 +22,10 @@ reference CNN (`benchmarks/conv_per_example_benchmark.py`, per-op traces):
   - the columns: each example's input gathered into one row per output
     position holding what every tap reads there (im2col), times its output
     gradient in one batched matrix product; for convs of at most
-    `COLUMNS_MAX_POSITIONS` output positions or at least
-    `COLUMNS_MIN_CHANNELS` input channels, where it took 0.53-0.98x the
+    `COLUMNS_MAX_POSITIONS` output positions, or of at least
+    `COLUMNS_MIN_CHANNELS` input channels and at most
+    `COLUMNS_WIDE_MAX_POSITIONS` positions (the columns hold kh * kw copies
+    of the input: a bound on memory), where it took 0.53-0.98x the
     taps' CPU time (ResNet22's 8x8 convs of 64 channels, and 3x3 convs of
     64-256 channels at sides 16-4, ``--model wide``); on ResNet22's and the
     reference CNN's other convs (more positions, fewer channels)
@@ -119,6 +121,9 @@ GROUPED_MAX_CHANNELS = 16
 # faster (module docstring).
 COLUMNS_MAX_POSITIONS = 64
 COLUMNS_MIN_CHANNELS = 64
+# ... the latter only up to this many output positions: measured up to 256,
+# and the columns hold kh * kw copies of the input at once.
+COLUMNS_WIDE_MAX_POSITIONS = 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,8 +200,10 @@ def _convert_conv2d_backprop_filter(pfor_input):
     _, dh, dw, _ = pfor_input.get_attr('dilations')
     pads = _conv_paddings(pfor_input, in_shape, out_shape, (kh, kw),
                           (sh, sw), (dh, dw))
-    if _cpu_only() and (out_h * out_w <= COLUMNS_MAX_POSITIONS
-                        or channels >= COLUMNS_MIN_CHANNELS):
+    positions = out_h * out_w
+    if _cpu_only() and (positions <= COLUMNS_MAX_POSITIONS or (
+            channels >= COLUMNS_MIN_CHANNELS
+            and positions <= COLUMNS_WIDE_MAX_POSITIONS)):
         return _column_filter_gradients(inputs, grads, in_shape, out_shape,
                                         (kh, kw, channels, filters), pads,
                                         (sh, sw), (dh, dw))
@@ -216,10 +223,10 @@ def _convert_conv2d_backprop_filter(pfor_input):
         [low, max(length - low - size, 0)]
         for (low, _), length, size in zip(pads, lengths, in_shape)] + [[0, 0]])
     x = x[:, :, :lengths[0], :lengths[1], :]
-    examples = tf.shape(x)[0]
-    x = tf.reshape(x, [examples, -1, lengths[0] // sh, sh, lengths[1] // sw,
+    examples, rows = tf.shape(x)[0], tf.shape(x)[1]  # Not -1: see columns.
+    x = tf.reshape(x, [examples, rows, lengths[0] // sh, sh, lengths[1] // sw,
                        sw, channels])
-    dy = tf.reshape(grads, [examples, -1, filters])
+    dy = tf.reshape(grads, [examples, rows * out_h * out_w, filters])
     if dy.dtype in (tf.float16, tf.bfloat16):  # Sums of many products.
         x, dy = tf.cast(x, tf.float32), tf.cast(dy, tf.float32)
     taps = []
@@ -256,14 +263,17 @@ def _column_filter_gradients(inputs, grads, in_shape, out_shape,
                                              kh * kw)
     x = tf.pad(inputs, [[0, 0], [0, 0], [top, bottom], [left, right],
                         [0, 0]])
-    examples = tf.shape(x)[0]
-    x = tf.reshape(x, [examples, -1, (in_shape[0] + top + bottom) * padded_w,
-                       channels])
-    dy = tf.reshape(grads, [examples, -1, filters])
+    # Sizes spelt out, not -1: with no examples TensorFlow's conversions
+    # upstream can hand over an output gradient of another (empty) shape.
+    examples, rows = tf.shape(x)[0], tf.shape(x)[1]
+    positions = rows * out_shape[0] * out_shape[1]
+    x = tf.reshape(x, [examples, rows,
+                       (in_shape[0] + top + bottom) * padded_w, channels])
+    dy = tf.reshape(grads, [examples, positions, filters])
     if dy.dtype in (tf.float16, tf.bfloat16):  # Sums of many products.
         x, dy = tf.cast(x, tf.float32), tf.cast(dy, tf.float32)
     columns = tf.reshape(tf.gather(x, index.astype(np.int32), axis=2),
-                         [examples, -1, kh * kw * channels])
+                         [examples, positions, kh * kw * channels])
     kernel = tf.reshape(tf.matmul(columns, dy, transpose_a=True),
                         [examples, kh, kw, channels, filters])
     return pfor_lib.wrap(tf.cast(kernel, grads.dtype), True)
