@@ -17,6 +17,8 @@ HAS_TF_PRIVACY = _keras.has_tf_privacy()
 
 needs_keras_2 = pytest.mark.skipif(
     KERAS_MAJOR != 2, reason='needs Keras 2 (TensorFlow <= 2.15 or tf-keras)')
+needs_keras_3 = pytest.mark.skipif(
+    KERAS_MAJOR != 3, reason='needs Keras 3 (TensorFlow >= 2.16, no tf-keras)')
 needs_tf_privacy_optimizers = pytest.mark.skipif(
     KERAS_MAJOR != 2 or not HAS_TF_PRIVACY,
     reason='the DP optimizer classes need tensorflow-privacy and Keras 2')

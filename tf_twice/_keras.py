@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 __all__ = ['KERAS_PACKAGE', 'KERAS_VERSION', 'KERAS_MAJOR', 'IS_KERAS_3',
            'NO_REDUCTION', 'problem', 'has_tf_privacy', 'is_no_reduction',
            'steps_per_execution', 'record_call_inputs',
+           'export_input_signature',
            'restored_from_config_only', 'is_legacy_optimizer',
            'build_optimizer', 'save_legacy_optimizer', 'split_legacy_optimizer',
            'load_legacy_optimizer', 'compiled_metrics',
@@ -199,14 +200,43 @@ def steps_per_execution(model: Any) -> int:
 
 
 def record_call_inputs(model: Any, specs: Any) -> None:
-    """Keras 2: records the input specs (``tf.TensorSpec``) that
-    ``model.save(path, save_format='tf')`` traces ``call`` with, unless
-    some are recorded already. Keras 2 records them on the first
-    ``model(inputs)``; a train step that calls only a wrapped model must
-    record them itself (Keras 3 exports with ``model.export``)."""
+    """Records the input specs (``tf.TensorSpec``) of the batches a train
+    step saw as the inputs that a SavedModel traces ``call`` with: Keras 2's
+    ``model.save(path, save_format='tf')`` reads them from its save spec
+    (unless some are recorded already), Keras 3's ``model.export`` from
+    `export_input_signature`. Keras records them on the first
+    ``model(inputs)`` only; a train step that calls only a wrapped model
+    must record them itself."""
+    if IS_KERAS_3:
+        # Not an attribute Keras tracks (it would land in the model's
+        # saved state).
+        object.__setattr__(model, '_tf_twice_trained_input_specs', specs)
+        return
     set_spec = getattr(model, '_set_save_spec', None)
-    if not IS_KERAS_3 and set_spec is not None:
+    if set_spec is not None:
         set_spec(specs)
+
+
+def export_input_signature(model: Any, inner_model: Any) -> Optional[list]:
+    """Keras 3: the ``input_signature`` for ``model.export`` of a model
+    whose ``call`` takes the inputs of ``inner_model``: the specs
+    `record_call_inputs` recorded, else those of a functional or sequential
+    ``inner_model``'s inputs (any batch size); None where neither is known
+    (``export`` then asks for one)."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    specs = getattr(model, '_tf_twice_trained_input_specs', None)
+    if specs is None:
+        try:
+            inputs = inner_model.input
+        except (AttributeError, ValueError):
+            inputs = getattr(inner_model, 'inputs', None)
+            if not inputs or len(inputs) != 1:
+                return None
+            inputs = inputs[0]
+        specs = tf.nest.map_structure(
+            lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), inputs)
+    return [specs]
 
 
 _SAVERS_RESTORING_FROM_CONFIG: Dict[type, type] = {}

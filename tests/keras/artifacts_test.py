@@ -198,6 +198,27 @@ def test_a_saved_model_is_written_right_after_fit(tmp_path):
                                    dp(x[:rows]).numpy(), rtol=1e-5, atol=1e-6)
 
 
+@markers.needs_keras_3
+@pytest.mark.parametrize('trained', [True, False])
+def test_an_export_needs_no_input_signature(tmp_path, trained):
+    # Keras 3 exports a subclassed model with the input shapes of its first
+    # call; a DPModel builds itself and its fit calls only the wrapped
+    # model, so before the fix export() refused ("never called") unless
+    # given an input_signature. Now: the trained batches' specs, else the
+    # wrapped model's inputs.
+    x, y = tiny_models.data(12)
+    dp = DPModel(_mlp(), CONFIG, physical_batch_size=4)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss())
+    if trained:
+        dp.fit(_two_poisson_steps(x, y), epochs=1, verbose=0)
+    path = str(tmp_path / 'exported')
+    dp.export(path)
+    served = tf.saved_model.load(path)
+    for rows in (1, 7):  # Any batch size, whatever the trained ones were.
+        np.testing.assert_allclose(served.serve(x[:rows]).numpy(),
+                                   dp(x[:rows]).numpy(), rtol=1e-5, atol=1e-6)
+
+
 @markers.needs_keras_2
 @pytest.mark.parametrize('path', [
     'model', pytest.param('optimizer',

@@ -315,6 +315,18 @@ class DPModel(tf.keras.Model):
         _keras.stop_gradient_of_added_losses(self.inner_model)
         return tf.nest.map_structure(tf.stop_gradient, outputs)
 
+    def export(self, filepath, *args, **kwargs):
+        """As Keras's ``Model.export``. On Keras 3 an ``input_signature``
+        that is not given is that of the batches ``fit`` trained on, else
+        of the wrapped functional model's inputs: Keras records none for a
+        model that only ``fit`` runs (its steps call the wrapped model)."""
+        if (_keras.IS_KERAS_3 and len(args) < 3
+                and kwargs.get('input_signature') is None):
+            signature = _keras.export_input_signature(self, self.inner_model)
+            if signature is not None:
+                kwargs['input_signature'] = signature
+        return super().export(filepath, *args, **kwargs)
+
     def compile(self, optimizer='rmsprop', loss=None, metrics=None,
                 **kwargs):
         guards.check_dp_optimizer(optimizer,
