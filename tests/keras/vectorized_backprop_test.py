@@ -111,6 +111,27 @@ def _count_conversions(monkeypatch, op_type='Conv2DBackpropFilter'):
     return calls
 
 
+def _check_each_example_alone(monkeypatch, construction, conv, shape, *,
+                              traced=False, grouped=True, rtol=2e-5,
+                              atol=2e-6):
+    """That ``per_example.gradients`` of a model around ``conv`` (in a
+    ``tf.function`` if ``traced``) gives each example's gradients alone,
+    with this module's converter and ``construction`` converting the conv
+    (``grouped`` as in `_check_construction`)."""
+    model = _model(conv, shape)
+    x, y = _data(shape)
+    calls = _count_conversions(monkeypatch)
+
+    def gradients(x, y):
+        return per_example.gradients(model, LOSS, x, y).gradients
+
+    got = (tf.function(gradients) if traced else gradients)(x, y)
+    assert calls == ['ours']
+    _check_construction(construction, grouped=grouped)
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=rtol, atol=atol)
+
+
 CONV2D = [
     dict(kernel_size=3, padding='valid'),
     dict(kernel_size=3, padding='same'),
@@ -127,16 +148,9 @@ CONV2D = [
 def test_conv2d_kernel_gradients_equal_each_example_alone(monkeypatch,
                                                           options,
                                                           construction):
-    shape = (9, 8, 3)
-    model = _model(tf.keras.layers.Conv2D(4, **options), shape)
-    x, y = _data(shape)
-    calls = _count_conversions(monkeypatch)
-    got = tf.function(lambda x, y: per_example.gradients(
-        model, LOSS, x, y).gradients)(x, y)
-    assert calls == ['ours']
-    _check_construction(construction)
-    for g, want in zip(got, _one_at_a_time(model, x, y)):
-        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+    _check_each_example_alone(monkeypatch, construction,
+                              tf.keras.layers.Conv2D(4, **options), (9, 8, 3),
+                              traced=True)
 
 
 @pytest.mark.parametrize('options', [dict(kernel_size=3, padding='causal'),
@@ -144,15 +158,8 @@ def test_conv2d_kernel_gradients_equal_each_example_alone(monkeypatch,
 def test_conv1d_kernel_gradients_equal_each_example_alone(monkeypatch,
                                                           options,
                                                           construction):
-    shape = (11, 2)
-    model = _model(tf.keras.layers.Conv1D(3, **options), shape)
-    x, y = _data(shape)
-    calls = _count_conversions(monkeypatch)
-    got = per_example.gradients(model, LOSS, x, y).gradients
-    assert calls == ['ours']
-    _check_construction(construction)
-    for g, want in zip(got, _one_at_a_time(model, x, y)):
-        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+    _check_each_example_alone(monkeypatch, construction,
+                              tf.keras.layers.Conv1D(3, **options), (11, 2))
 
 
 def test_a_conv_over_time_steps_sums_each_examples_steps(monkeypatch,
@@ -191,15 +198,9 @@ class _ExplicitlyPaddedConv(tf.keras.layers.Layer):
 def test_explicit_padding_runs_the_taps_or_the_columns(monkeypatch, strides,
                                                       construction):
     # The grouped construction does not take explicit padding on a CPU.
-    shape = (9, 8, 3)
-    model = _model(_ExplicitlyPaddedConv(strides), shape)
-    x, y = _data(shape)
-    calls = _count_conversions(monkeypatch)
-    got = per_example.gradients(model, LOSS, x, y).gradients
-    assert calls == ['ours']
-    _check_construction(construction, grouped=False)
-    for g, want in zip(got, _one_at_a_time(model, x, y)):
-        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+    _check_each_example_alone(monkeypatch, construction,
+                              _ExplicitlyPaddedConv(strides), (9, 8, 3),
+                              grouped=False)
 
 
 def test_a_16_bit_convs_kernel_gradients_equal_each_example_alone(
@@ -207,18 +208,13 @@ def test_a_16_bit_convs_kernel_gradients_equal_each_example_alone(
     # A mixed_float16 conv: float16 inputs and output gradients (the taps
     # and the columns sum their products in float32, TensorFlow's kernel
     # for the example alone in float16: float16's precision apart).
-    shape = (9, 8, 3)
-    model = _model(tf.keras.layers.Conv2D(
-        4, 3, padding='same',
-        dtype=tf.keras.mixed_precision.Policy('mixed_float16')), shape)
-    x, y = _data(shape)
-    calls = _count_conversions(monkeypatch)
-    got = per_example.gradients(model, LOSS, x, y).gradients
-    assert calls == ['ours']
     # The grouped convolution takes float32 only.
-    _check_construction(construction, grouped=False)
-    for g, want in zip(got, _one_at_a_time(model, x, y)):
-        np.testing.assert_allclose(g.numpy(), want, rtol=1e-2, atol=1e-2)
+    _check_each_example_alone(
+        monkeypatch, construction,
+        tf.keras.layers.Conv2D(
+            4, 3, padding='same',
+            dtype=tf.keras.mixed_precision.Policy('mixed_float16')),
+        (9, 8, 3), grouped=False, rtol=1e-2, atol=1e-2)
 
 
 MAX_POOL = [
