@@ -320,6 +320,8 @@ class DPModel(tf.keras.Model):
         that is not given is that of the batches ``fit`` trained on, else
         of the wrapped functional model's inputs: Keras records none for a
         model that only ``fit`` runs (its steps call the wrapped model)."""
+        # Keras 3's export(filepath, format, verbose, input_signature):
+        # three positional arguments after filepath give it.
         if (_keras.IS_KERAS_3 and len(args) < 3
                 and kwargs.get('input_signature') is None):
             signature = _keras.export_input_signature(self, self.inner_model)

@@ -255,16 +255,17 @@ def _column_filter_gradients(inputs, grads, in_shape, out_shape,
     padded_w = in_shape[1] + left + right
     # Flat index of the padded row and column that tap (i, j) reads at
     # position (h, w); tap-major within a row, as the kernel is laid out.
-    rows = (np.arange(out_shape[0])[:, None, None, None] * strides[0]
-            + np.arange(kh)[None, None, :, None] * dilations[0])
-    cols = (np.arange(out_shape[1])[None, :, None, None] * strides[1]
-            + np.arange(kw)[None, None, None, :] * dilations[1])
-    index = (rows * padded_w + cols).reshape(out_shape[0] * out_shape[1],
-                                             kh * kw)
+    read_row = (np.arange(out_shape[0])[:, None, None, None] * strides[0]
+                + np.arange(kh)[None, None, :, None] * dilations[0])
+    read_col = (np.arange(out_shape[1])[None, :, None, None] * strides[1]
+                + np.arange(kw)[None, None, None, :] * dilations[1])
+    index = (read_row * padded_w + read_col).reshape(
+        out_shape[0] * out_shape[1], kh * kw)
     x = tf.pad(inputs, [[0, 0], [0, 0], [top, bottom], [left, right],
                         [0, 0]])
     # Sizes spelt out, not -1: with no examples TensorFlow's conversions
     # upstream can hand over an output gradient of another (empty) shape.
+    # rows: of each example's own batch (time steps of a TimeDistributed).
     examples, rows = tf.shape(x)[0], tf.shape(x)[1]
     positions = rows * out_shape[0] * out_shape[1]
     x = tf.reshape(x, [examples, rows,
