@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
+from tests import markers
 from tf_twice.keras import vectorized_backprop
 from tf_twice.keras import per_example
 
@@ -287,10 +288,9 @@ def test_a_non_finite_example_leaves_the_others_exact(value, construction):
                                    rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.skipif(
-    tuple(int(v) for v in tf.__version__.split('.')[:2]) < (2, 16),
-    reason="TensorFlow 2.15's own conversion of the Dense layer's product "
-    'fails on an empty batch of run-time size')
+# Keras 2 (TensorFlow 2.15, or tf-keras): TensorFlow's own conversion of
+# its Dense layer's product fails on such a batch before any conv.
+@markers.needs_keras_3
 def test_an_empty_batch_of_run_time_size_gives_empty_gradients(construction):
     # With no examples, TensorFlow's conversions upstream hand the conv an
     # output gradient of another empty shape, which a reshape with -1
