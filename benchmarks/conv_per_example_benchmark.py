@@ -67,9 +67,9 @@ SHAPES = {'resnet22': ((32, 3, 16, 3, 1, 'SAME'), (32, 16, 16, 3, 1, 'SAME'),
 
 # The converter's limits that hold it to one construction.
 ONLY = {'columns': dict(COLUMNS_MAX_POSITIONS=10**9),
-        'grouped': dict(COLUMNS_MAX_POSITIONS=0, COLUMNS_MIN_CHANNELS=10**9,
+        'grouped': dict(vectorized_backprop.WITHOUT_COLUMNS,
                         GROUPED_MAX_CHANNELS=10**9),
-        'taps': dict(COLUMNS_MAX_POSITIONS=0, COLUMNS_MIN_CHANNELS=10**9,
+        'taps': dict(vectorized_backprop.WITHOUT_COLUMNS,
                      GROUPED_MAX_CHANNELS=0)}
 
 

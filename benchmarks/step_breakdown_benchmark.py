@@ -75,8 +75,8 @@ def parts(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
             coordinate_sampling_rate=0.5 if twice else 1.0, key=key)
 
     without_columns = tf.function(dp_chunk(True))
-    with mock.patch.multiple(vectorized_backprop, COLUMNS_MAX_POSITIONS=0,
-                             COLUMNS_MIN_CHANNELS=10**9):
+    with mock.patch.multiple(vectorized_backprop,
+                             **vectorized_backprop.WITHOUT_COLUMNS):
         without_columns.get_concrete_function()  # Traced without them.
     return {'summed gradient': tf.function(summed),
             'per-example (tf_twice)': with_conversions,

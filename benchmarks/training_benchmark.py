@@ -241,8 +241,7 @@ def _traced_without(name: str):
                 del vectorized_backprop.CONVERTERS[op]
         if name == WITHOUT['columns']:
             stack.enter_context(mock.patch.multiple(
-                vectorized_backprop, COLUMNS_MAX_POSITIONS=0,
-                COLUMNS_MIN_CHANNELS=10**9))
+                vectorized_backprop, **vectorized_backprop.WITHOUT_COLUMNS))
         yield
 
 

@@ -66,8 +66,8 @@ def construction(request, monkeypatch):
 
         monkeypatch.setattr(vectorized_backprop, function_name, counted)
 
-    everywhere, nowhere = {'COLUMNS_MAX_POSITIONS': 10**9}, {
-        'COLUMNS_MAX_POSITIONS': 0, 'COLUMNS_MIN_CHANNELS': 10**9}
+    everywhere = {'COLUMNS_MAX_POSITIONS': 10**9}
+    nowhere = vectorized_backprop.WITHOUT_COLUMNS
     if request.param == 'grouped':
         if not vectorized_backprop._grouped_applies(1, tf.float32, b'SAME'):
             pytest.skip('this CPU kernel takes no grouped convolution (or a '

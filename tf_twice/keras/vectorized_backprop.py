@@ -124,6 +124,10 @@ COLUMNS_MIN_CHANNELS = 64
 # ... the latter only up to this many output positions: measured up to 256,
 # and the columns hold kh * kw copies of the input at once.
 COLUMNS_WIDE_MAX_POSITIONS = 256
+# Values of the limits above under which the columns never run, to compare
+# the step without them (benchmarks, tests): ``mock.patch.multiple(
+# vectorized_backprop, **WITHOUT_COLUMNS)`` around the trace.
+WITHOUT_COLUMNS = {'COLUMNS_MAX_POSITIONS': 0, 'COLUMNS_MIN_CHANNELS': 10**9}
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,8 +231,7 @@ def _convert_conv2d_backprop_filter(pfor_input):
     x = tf.reshape(x, [examples, rows, lengths[0] // sh, sh, lengths[1] // sw,
                        sw, channels])
     dy = tf.reshape(grads, [examples, rows * out_h * out_w, filters])
-    if dy.dtype in (tf.float16, tf.bfloat16):  # Sums of many products.
-        x, dy = tf.cast(x, tf.float32), tf.cast(dy, tf.float32)
+    x, dy = _float32_if_16_bit(x, dy)
     taps = []
     for i in range(kh):
         for j in range(kw):
@@ -271,13 +274,19 @@ def _column_filter_gradients(inputs, grads, in_shape, out_shape,
     x = tf.reshape(x, [examples, rows,
                        (in_shape[0] + top + bottom) * padded_w, channels])
     dy = tf.reshape(grads, [examples, positions, filters])
-    if dy.dtype in (tf.float16, tf.bfloat16):  # Sums of many products.
-        x, dy = tf.cast(x, tf.float32), tf.cast(dy, tf.float32)
+    x, dy = _float32_if_16_bit(x, dy)
     columns = tf.reshape(tf.gather(x, index.astype(np.int32), axis=2),
                          [examples, positions, kh * kw * channels])
     kernel = tf.reshape(tf.matmul(columns, dy, transpose_a=True),
                         [examples, kh, kw, channels, filters])
     return pfor_lib.wrap(tf.cast(kernel, grads.dtype), True)
+
+
+def _float32_if_16_bit(x, dy):
+    # A kernel gradient sums many products of the two: in float32.
+    if dy.dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(x, tf.float32), tf.cast(dy, tf.float32)
+    return x, dy
 
 
 def _conv_paddings(pfor_input, size, out_size, kernel, strides, dilations):
