@@ -147,17 +147,21 @@ def _cpu_takes_grouped_filter_gradients() -> bool:
     return True
 
 
-def _cpu_only() -> bool:
-    # The grouped convolution and the columns were measured on CPUs only:
-    # where a GPU could run the op, the taps stay.
-    return not tf.config.list_logical_devices('GPU')
+def gpu_visible() -> bool:
+    """Whether TensorFlow sees a GPU, which could run the ops traced here.
+
+    The grouped convolution and the columns were measured on CPUs only, so
+    where a GPU is visible the taps stay; `per_example` sizes its default
+    chunks by it too.
+    """
+    return bool(tf.config.list_logical_devices('GPU'))
 
 
 def _grouped_applies(channels: int, dtype: tf.DType, padding: bytes) -> bool:
     # oneDNN's kernel does not take explicit padding; TensorFlow's, which
     # then runs, takes no groups.
     return (dtype == tf.float32 and channels <= GROUPED_MAX_CHANNELS
-            and padding != b'EXPLICIT' and _cpu_only()
+            and padding != b'EXPLICIT' and not gpu_visible()
             and _cpu_takes_grouped_filter_gradients())
 
 
@@ -205,7 +209,7 @@ def _convert_conv2d_backprop_filter(pfor_input):
     pads = _conv_paddings(pfor_input, in_shape, out_shape, (kh, kw),
                           (sh, sw), (dh, dw))
     positions = out_h * out_w
-    if _cpu_only() and (positions <= COLUMNS_MAX_POSITIONS or (
+    if not gpu_visible() and (positions <= COLUMNS_MAX_POSITIONS or (
             channels >= COLUMNS_MIN_CHANNELS
             and positions <= COLUMNS_WIDE_MAX_POSITIONS)):
         return _column_filter_gradients(inputs, grads, in_shape, out_shape,
