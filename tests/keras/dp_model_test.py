@@ -23,6 +23,7 @@ from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import default_physical_batch_size
 from tf_twice.keras import guards
+from tf_twice.keras import vectorized_backprop
 from tf_twice.mechanism import randomness
 
 NUM_FEATURES, NUM_CLASSES = tiny_models.NUM_FEATURES, tiny_models.NUM_CLASSES
@@ -504,7 +505,29 @@ def _dense(width, inputs=None):
     (lambda: _dense(3), None, 64),  # Not built: d unknown.
     (lambda: _dense(3), 20.0, 32),
 ])
-def test_default_physical_batch_size(make_model, expected_batch_size, want):
+def test_default_physical_batch_size(monkeypatch, make_model,
+                                     expected_batch_size, want):
+    # The rule for CPUs, also where the tests see a GPU.
+    monkeypatch.setattr(vectorized_backprop, 'gpu_visible', lambda: False)
+    _check_default_physical_batch_size(make_model, expected_batch_size, want)
+
+
+@pytest.mark.parametrize('make_model, expected_batch_size, want', [
+    # d = 90,300 and 1,001,000: [256, d] float32 fit in 1 GiB.
+    (lambda: _dense(300, 300), None, 256),
+    (lambda: _dense(1000, 1000), None, 256),
+    (lambda: _dense(1000, 1000), 100.0, 128),
+    # d = 4,196,352: [32, d] fit in 1 GiB, [64, d] do not.
+    (lambda: _dense(2048, 2048), None, 32),
+    (lambda: _dense(3), None, 64),  # Not built: d unknown.
+])
+def test_default_physical_batch_size_where_a_gpu_is_visible(
+        monkeypatch, make_model, expected_batch_size, want):
+    monkeypatch.setattr(vectorized_backprop, 'gpu_visible', lambda: True)
+    _check_default_physical_batch_size(make_model, expected_batch_size, want)
+
+
+def _check_default_physical_batch_size(make_model, expected_batch_size, want):
     config = (None if expected_batch_size is None else
               _config(num_examples=1000,
                       expected_batch_size=expected_batch_size))
