@@ -3,10 +3,11 @@
 Reference model: Conv2D(16,3,relu)-MaxPool-Conv2D(32,3,relu)-MaxPool-Flatten-
 Dense(64,relu)-Dense(10) on 32x32x3 inputs (79,530 parameters), or with
 ``--model=resnet22`` the paper's ResNet22 (291,898 parameters), random data,
-CPU. Prints examples/second for
+on the CPU or the GPU TensorFlow places it on. Prints examples/second for
 
   * non-private Keras ``fit`` on fixed batches of B (what a non-private user
-    runs);
+    runs), without XLA, and with ``--compare-xla`` also with
+    ``jit_compile=True`` (Keras 3's default on a GPU);
   * tf_privacy's ``VectorizedDPKerasSGDOptimizer`` (O(B^2) Jacobian)*;
   * ``DPModel`` with its config (per-example vectorized_map), q2 = 1, and
     q2 = 0.5 with an l-infinity clip;
@@ -42,6 +43,12 @@ Poisson overhead <= 1.1x; memory <= 1.2x. Usage:
       --skip-slow --skip-memory        # other chunk sizes, same rounds
   python benchmarks/training_benchmark.py --compare-without=fusion,columns \
       --skip-slow --skip-memory        # the step without pieces of it
+  python benchmarks/training_benchmark.py --compare-xla --skip-slow \
+      --skip-memory                    # against non-private fit with XLA too
+
+DPModel itself refuses ``jit_compile=True`` (its weight checks are run-time
+assertions that XLA drops); its clip-mask-sum kernels are XLA-compiled on
+their own in every row.
 """
 
 import argparse
@@ -171,9 +178,12 @@ def build(name: str, batch: int, physical: Optional[int]
     tf.keras.utils.set_random_seed(0)
     model = reference_model()
     n = POISSON_POOL_FACTOR * batch
-    if name == 'non-private fit':
+    if name in (NON_PRIVATE, NON_PRIVATE_XLA):
+        # Explicit: Keras 3's default ('auto') turns XLA on where there is a
+        # GPU, which would make the baseline differ between machines.
         model.compile(optimizer=tf.keras.optimizers.SGD(0.05),
-                      loss=_loss(False))
+                      loss=_loss(False),
+                      jit_compile=name == NON_PRIVATE_XLA)
         return model
     if name == 'tf_privacy vectorized':
         model.compile(
@@ -211,6 +221,8 @@ def time_fit(model: tf.keras.Model, dataset: tf.data.Dataset,
     return steps * batch / wall, steps * batch / cpu
 
 
+NON_PRIVATE = 'non-private fit'
+NON_PRIVATE_XLA = 'non-private fit XLA'  # --compare-xla: jit_compile=True.
 # The twice-sampling step's speed target against non-private fit, per model.
 TWICE_TARGET = {'small_cnn': 0.5, 'resnet22': 0.9}
 # Steps that warm up what the first one did not trace.
@@ -245,9 +257,9 @@ def _traced_without(name: str):
         yield
 
 
-FAST = ('non-private fit', 'fast path q2=1', TWICE, TWICE_FIXED,
+FAST = (NON_PRIVATE, 'fast path q2=1', TWICE, TWICE_FIXED,
         'optimizer path q2=0.5 linf=0.1')
-ON_FIXED_BATCHES = ('non-private fit', 'tf_privacy vectorized',
+ON_FIXED_BATCHES = (NON_PRIVATE, NON_PRIVATE_XLA, 'tf_privacy vectorized',
                     TWICE_FIXED) + tuple(WITHOUT.values())
 
 
@@ -264,7 +276,8 @@ def throughput(args) -> Dict[str, List[tuple]]:
                                 subsequent_indent='    '), flush=True)
     fast = [name for name in FAST if unavailable(name) is None] + [
         f'{TWICE}{PHYSICAL_TAG}{p}' for p in args.compare_physical] + (
-            [WITHOUT[piece] for piece in args.compare_without])
+            [WITHOUT[piece] for piece in args.compare_without]) + (
+            [NON_PRIVATE_XLA] if args.compare_xla else [])
     slow = [name for name in slow if unavailable(name) is None]
     data = {name: fixed if name in ON_FIXED_BATCHES else poisson
             for name in fast + slow}
@@ -381,6 +394,10 @@ def main(argv=None) -> None:
         'batches traced without it: "fusion", the converters that let oneDNN '
         'fuse a conv with its bias and ReLU; "columns", the columns '
         'construction of conv kernel gradients')
+    parser.add_argument(
+        '--compare-xla', action='store_true',
+        help='adds non-private fit with jit_compile=True, timed in the same '
+        'rounds, and the DP rows\' ratios against it')
     parser.add_argument('--steps', type=int, default=10,
                         help='timed steps per round of the fast configs')
     parser.add_argument('--rounds', type=int, default=6)
@@ -410,7 +427,10 @@ def main(argv=None) -> None:
     physical = args.physical_batch_size = (
         args.physical_batch_size or default_physical_batch_size(
             reference_model(), _config(args.batch_size, twice=True)))
+    gpus = [tf.config.experimental.get_device_details(g).get(
+        'device_name', g.name) for g in tf.config.list_physical_devices('GPU')]
     print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, '
+          f'GPUs: {", ".join(gpus) or "none"}, '
           f'{args.model}, expected '
           f'batch {args.batch_size}, physical batch {physical}, parameters '
           f'{reference_model().count_params()}. Rounds time every '
@@ -437,11 +457,15 @@ def main(argv=None) -> None:
     one, twice = 'fast path q2=1', TWICE
     for fast in (one, twice):
         ratio(fast, 'tf_privacy vectorized', 30.0, '>= 30')
-    ratio(one, 'non-private fit', None, 'informative')
+    ratio(one, NON_PRIVATE, None, 'informative')
     target = TWICE_TARGET[args.model]
-    ratio(twice, 'non-private fit', target, f'>= {target}')
+    ratio(twice, NON_PRIVATE, target, f'>= {target}')
+    ratio(NON_PRIVATE_XLA, NON_PRIVATE, None, 'informative: XLA against none')
+    for fast in (one, twice):
+        ratio(fast, NON_PRIVATE_XLA, None,
+              'informative: against non-private fit with XLA')
     for p in args.compare_physical:
-        ratio(f'{twice}{PHYSICAL_TAG}{p}', 'non-private fit', None,
+        ratio(f'{twice}{PHYSICAL_TAG}{p}', NON_PRIVATE, None,
               'informative')
         ratio(f'{twice}{PHYSICAL_TAG}{p}', twice, None,
               f'informative: physical batch {p} against {physical}')
