@@ -300,6 +300,13 @@ def sum_block(
 
     Tensor k of block ``block`` draws its masks from
     ``randomness.mask_stream(block, k)``.
+
+    The sums over examples are elementwise products and reductions, or a
+    float64 matrix product for factored gradients, never a float32 matrix
+    product: one of those may round its factors (TensorFloat-32 on GPUs by
+    default, float16 under automatic mixed precision, a oneDNN math mode),
+    and an example's contribution, rounded up after its norm was measured,
+    could exceed the clip by about 2**-10 of it.
     """
     offset = tf.cast(example_offset, tf.int64)
     if linf_norm_clip is None:
@@ -328,22 +335,18 @@ def sum_block(
                 key, randomness.mask_stream(block, k),
                 tf.shape(g.left if factored else g)[0], offset, d,
                 coordinate_sampling_rate)
-        if elementwise and jit_compile:
+        if factored and not elementwise:
+            sums[k] = g.weighted_sum(coef)  # In float64.
+            continue
+        if jit_compile:
             jobs.append((k, _Job(g if factored else tf.reshape(g, [-1, d]),
                                  mask, words)))
             continue
-        if factored:
-            total = g.weighted_sum(coef)
-        elif not elementwise:
-            # Nothing elementwise: one matrix-vector product.
-            total = tf.linalg.matvec(tf.reshape(g, [-1, d]), coef,
-                                     transpose_a=True)
-        else:
-            flat = _clip_and_mask(tf.reshape(g, [-1, d]), scale, mask, words,
-                                  coordinate_sampling_rate, linf_norm_clip)
-            total = (tf.reduce_sum(flat, axis=0) if coef is None else
-                     tf.linalg.matvec(flat, coef, transpose_a=True))
-        sums[k] = tf.reshape(total, g.shape[1:])
+        flat = _clip_and_mask(tf.reshape(g, [-1, d]), scale, mask, words,
+                              coordinate_sampling_rate, linf_norm_clip)
+        if coef is not None:
+            flat = flat * _per_row(coef, flat)
+        sums[k] = tf.reshape(tf.reduce_sum(flat, axis=0), g.shape[1:])
     if jobs:
         padded = _pad_rows(([job for _, job in jobs], scale, coef))
         totals = _clip_mask_and_sum_all_fused(
