@@ -273,6 +273,23 @@ def is_legacy_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer)
 
 
+def without_loss_scaling(optimizer: Any) -> Any:
+    """The optimizer that a LossScaleOptimizer wraps, else ``optimizer``.
+
+    Keras wraps a model's optimizer in a LossScaleOptimizer under the
+    'mixed_float16' policy. A DPModel's update comes from per-example
+    gradients of the unscaled loss, so it goes to the wrapped optimizer:
+    Keras 3's wrapper divides what it is given by its loss scale (2**15 at
+    first: the model would hardly train), and Keras 2's hides a tf_twice DP
+    optimizer's mechanism. The wrapper's step count is the wrapped
+    optimizer's.
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
 def build_optimizer(optimizer: Any, variables: List[Any]) -> None:
     """Creates ``optimizer``'s variables (step count, slots) for
     ``variables``: Keras skips restoring the state of an optimizer that has

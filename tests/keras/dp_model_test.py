@@ -100,6 +100,42 @@ def test_dp_optimizer_runs_the_same_step_as_the_models_mechanism(
     assert via_optimizer.dp_event() == dp.dp_event() == CONFIG.dp_event()
 
 
+@pytest.mark.parametrize('dp_optimizer', [
+    False, pytest.param(True, marks=markers.needs_tf_privacy_optimizers)])
+def test_mixed_float16_applies_the_update_unscaled(dp_optimizer):
+    # Under 'mixed_float16' Keras wraps the optimizer in a LossScaleOptimizer,
+    # which divides what it is given by its loss scale (2**15 at first); the
+    # DP update comes from an unscaled loss and must reach the optimizer the
+    # wrapper holds as it is, and a DP optimizer's mechanism must be found.
+    x, y = _data(8)
+
+    def step(policy):
+        tf.keras.mixed_precision.set_global_policy(policy)
+        try:
+            if dp_optimizer:
+                dp = DPModel(_mlp(), physical_batch_size=4)
+                dp.compile(
+                    optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+                        CONFIG, seed=SEED, learning_rate=0.3),
+                    loss=_loss())
+            else:
+                dp = _private(_mlp())
+            tiny_models.one_step(dp, x, y)
+            return dp
+        finally:
+            tf.keras.mixed_precision.set_global_policy('float32')
+
+    mixed, full = step('mixed_float16'), step('float32')
+    assert isinstance(mixed.optimizer,
+                      tf.keras.mixed_precision.LossScaleOptimizer)
+    assert int(mixed.optimizer.iterations) == 1
+    initial = _weights(_mlp())
+    # float16 per-example gradients, the same seeded masks and noise.
+    _assert_all_close([m - i for m, i in zip(_weights(mixed), initial)],
+                      [f - i for f, i in zip(_weights(full), initial)],
+                      rtol=0.05, atol=2e-3)
+
+
 @markers.needs_tf_privacy_optimizers
 def test_plain_model_with_dp_optimizer_is_refused_before_any_step():
     model = _mlp()

@@ -215,7 +215,8 @@ class DPModel(tf.keras.Model):
         that of the tf_twice DP optimizer it is compiled with."""
         if self._own_aggregator is not None:
             return self._own_aggregator
-        optimizer = getattr(self, 'optimizer', None)
+        optimizer = _keras.without_loss_scaling(
+            getattr(self, 'optimizer', None))
         return (optimizer.aggregator if guards.is_dp_optimizer(optimizer)
                 else None)
 
@@ -501,11 +502,12 @@ class DPModel(tf.keras.Model):
             tf.boolean_mask(weights, real) if weighted else None)
 
     def _apply_update(self, update, variables) -> None:
-        apply = getattr(self.optimizer, 'apply_private_update', None)
+        optimizer = _keras.without_loss_scaling(self.optimizer)
+        apply = getattr(optimizer, 'apply_private_update', None)
         if apply is not None:  # A tf_twice DP optimizer.
             apply(update, variables)
         else:
-            self.optimizer.apply_gradients(zip(update, variables))
+            optimizer.apply_gradients(zip(update, variables))
 
     def train_step(self, data):
         if self._example_loss is None:
