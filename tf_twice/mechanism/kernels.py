@@ -123,15 +123,17 @@ def drop_non_finite(grads: Sequence[PerExample],
             if isinstance(g, OuterProducts) else next(tensors) for g in grads]
 
 
-def _clip_and_mask(
+def _contributions(
     x: tf.Tensor,
     scale: tf.Tensor,
+    coef: Optional[tf.Tensor],
     mask: Optional[tf.Tensor],
     mask_words: Optional[tf.Tensor],
     coordinate_sampling_rate: float,
     linf_norm_clip: Optional[float],
 ) -> tf.Tensor:
-    """The elementwise part on one [B, ...] tensor: mask * clip_inf(scale * g).
+    """Each example's contribution on one [B, ...] tensor, elementwise:
+    coef * mask * clip_inf(scale * g), for the caller to sum over B.
 
     The mask is ``mask`` if given, else drawn from ``mask_words``
     (`randomness.row_mask_words`, coordinates in row-major order), else
@@ -146,6 +148,8 @@ def _clip_and_mask(
                                            coordinate_sampling_rate)
     if mask is not None:
         x = tf.where(mask, x, tf.zeros_like(x))
+    if coef is not None:
+        x = x * _per_row(coef, x)
     return x
 
 
@@ -205,11 +209,9 @@ def _clip_mask_and_sum(
 ) -> tf.Tensor:
     """sum_i coef_i * mask_i * clip_inf(scale_i * g_i), for one XLA kernel
     that reads [B, ...] once."""
-    x = _clip_and_mask(x, scale, mask, mask_words, coordinate_sampling_rate,
-                       linf_norm_clip)
-    if coef is not None:
-        x = x * _per_row(coef, x)
-    return _sum_rows(x, _REDUCE_SLICES_FIRST)
+    return _sum_rows(_contributions(x, scale, coef, mask, mask_words,
+                                    coordinate_sampling_rate, linf_norm_clip),
+                     _REDUCE_SLICES_FIRST)
 
 
 def _outer_clip_mask_and_sum(
@@ -342,10 +344,8 @@ def sum_block(
             jobs.append((k, _Job(g if factored else tf.reshape(g, [-1, d]),
                                  mask, words)))
             continue
-        flat = _clip_and_mask(tf.reshape(g, [-1, d]), scale, mask, words,
-                              coordinate_sampling_rate, linf_norm_clip)
-        if coef is not None:
-            flat = flat * _per_row(coef, flat)
+        flat = _contributions(tf.reshape(g, [-1, d]), scale, coef, mask,
+                              words, coordinate_sampling_rate, linf_norm_clip)
         sums[k] = tf.reshape(tf.reduce_sum(flat, axis=0), g.shape[1:])
     if jobs:
         padded = _pad_rows(([job for _, job in jobs], scale, coef))
