@@ -110,6 +110,7 @@ def test_mixed_float16_applies_the_update_unscaled(dp_optimizer):
     x, y = _data(8)
 
     def step(policy):
+        before = tf.keras.mixed_precision.global_policy()
         tf.keras.mixed_precision.set_global_policy(policy)
         try:
             if dp_optimizer:
@@ -123,7 +124,7 @@ def test_mixed_float16_applies_the_update_unscaled(dp_optimizer):
             tiny_models.one_step(dp, x, y)
             return dp
         finally:
-            tf.keras.mixed_precision.set_global_policy('float32')
+            tf.keras.mixed_precision.set_global_policy(before)
 
     mixed, full = step('mixed_float16'), step('float32')
     assert isinstance(mixed.optimizer,
