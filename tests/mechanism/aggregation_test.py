@@ -190,20 +190,42 @@ def test_padding_contributes_nothing():
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
 
 
-@pytest.mark.parametrize('bad', [np.nan, np.inf, -np.inf])
-def test_non_finite_example_is_dropped(bad):
+# 1e38: a finite entry whose square overflows, so the norm is not finite.
+@pytest.mark.parametrize('bad', [np.nan, np.inf, -np.inf, 1e38])
+@pytest.mark.parametrize('linf_norm_clip', [0.3, None])
+@pytest.mark.parametrize('jit_compile', [True, False])
+def test_non_finite_example_is_dropped(bad, linf_norm_clip, jit_compile):
     grads = _grads(4, seed=2)
     poisoned = [g.copy() for g in grads]
     poisoned[2][1, 0, 3, 1] = bad  # example 1
     good = [np.delete(g, 1, axis=0) for g in grads]
-    want = agg.clipped_masked_sum(good, l2_norm_clip=0.7, linf_norm_clip=0.3)
-    got = agg.clipped_masked_sum(poisoned, l2_norm_clip=0.7,
-                                 linf_norm_clip=0.3)
+    kwargs = dict(l2_norm_clip=0.7, linf_norm_clip=linf_norm_clip,
+                  jit_compile=jit_compile)
+    want = agg.clipped_masked_sum(good, **kwargs)
+    got = agg.clipped_masked_sum(poisoned, **kwargs)
     for a, b in zip(want, got):
         assert np.all(np.isfinite(b.numpy()))
         # The zeroed row changes the order of the float32 sum, not its terms.
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6,
                                    atol=1e-7)
+
+
+@pytest.mark.parametrize('linf_norm_clip', [0.3, None])
+@pytest.mark.parametrize('jit_compile', [True, False])
+def test_a_huge_finite_example_is_clipped(linf_norm_clip, jit_compile):
+    # Entries of 1e18: a squared norm of 5e36, near float32's limit
+    # (3.4e38), finite, so the example is clipped to c2, not dropped.
+    grads = [np.full((1, 3), 1e18, np.float32), np.full((1, 2), -1e18,
+                                                        np.float32)]
+    sums = agg.clipped_masked_sum(grads, l2_norm_clip=0.7,
+                                  linf_norm_clip=linf_norm_clip,
+                                  jit_compile=jit_compile)
+    flat = np.concatenate([s.numpy().ravel() for s in sums]).astype(
+        np.float64)
+    assert np.all(np.isfinite(flat)) and np.any(flat != 0)
+    assert np.linalg.norm(flat) <= 0.7 * (1 + 1e-6)
+    if linf_norm_clip is not None:
+        assert np.abs(flat).max() <= linf_norm_clip * (1 + 1e-6)
 
 
 def test_weights_outside_unit_interval_are_refused():
