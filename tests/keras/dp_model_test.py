@@ -137,6 +137,26 @@ def test_mixed_float16_applies_the_update_unscaled(dp_optimizer):
                       rtol=0.05, atol=2e-3)
 
 
+def test_float16_variables_train_on_float32_sums():
+    # Under the 'float16' policy the variables and per-example gradients
+    # are float16; the clipped sums and the noise are float32
+    # (kernels.accumulation_dtype) and the update is rounded to float16
+    # only when applied.
+    x, y = _data(8)
+    before = tf.keras.mixed_precision.global_policy()
+    tf.keras.mixed_precision.set_global_policy('float16')
+    try:
+        dp = _private(_mlp())
+        initial = _weights(dp)
+        tiny_models.one_step(dp, x, y)
+    finally:
+        tf.keras.mixed_precision.set_global_policy(before)
+    assert all(tf.as_dtype(v.dtype) == tf.float16
+               for v in dp.trainable_variables)
+    moved = [np.abs(w - i).max() for w, i in zip(_weights(dp), initial)]
+    assert all(np.isfinite(m) and m > 0 for m in moved)
+
+
 @markers.needs_tf_privacy_optimizers
 def test_plain_model_with_dp_optimizer_is_refused_before_any_step():
     model = _mlp()

@@ -228,6 +228,38 @@ def test_a_huge_finite_example_is_clipped(linf_norm_clip, jit_compile):
         assert np.abs(flat).max() <= linf_norm_clip * (1 + 1e-6)
 
 
+@pytest.mark.parametrize('dtype', [tf.float16, tf.bfloat16])
+@pytest.mark.parametrize('linf_norm_clip', [0.3, None])
+@pytest.mark.parametrize('jit_compile', [True, False])
+def test_16_bit_gradients_are_clipped_in_float32(dtype, linf_norm_clip,
+                                                  jit_compile):
+    # Example i is non-zero only in coordinates [16 i, 16 i + 16), so that
+    # slice of the sum is exactly its contribution. Computed in 16 bits,
+    # scale * g rounded after the norm was measured: up to 1.0012 (float16)
+    # and 1.0058 (bfloat16) times c2 here, and past c_inf.
+    batch, width = 64, 16
+    rng = np.random.default_rng(5)
+    grads = np.zeros((batch, batch * width))
+    for i in range(batch):
+        grads[i, i * width:(i + 1) * width] = (
+            rng.standard_normal(width) * rng.uniform(1, 30))
+    grads_16 = tf.constant(grads, dtype)
+    (total,) = agg.clipped_masked_sum([grads_16], l2_norm_clip=0.7,
+                                      linf_norm_clip=linf_norm_clip,
+                                      jit_compile=jit_compile)
+    assert total.dtype == tf.float32
+    each = total.numpy().astype(np.float64).reshape(batch, width)
+    assert np.linalg.norm(each, axis=1).max() <= 0.7 * (1 + 1e-6)
+    if linf_norm_clip is not None:
+        assert np.abs(each).max() <= linf_norm_clip * (1 + 1e-6)
+    # The same numbers as the float32 aggregation of the 16-bit values.
+    (want,) = agg.clipped_masked_sum([tf.cast(grads_16, tf.float32)],
+                                     l2_norm_clip=0.7,
+                                     linf_norm_clip=linf_norm_clip,
+                                     jit_compile=jit_compile)
+    np.testing.assert_array_equal(total.numpy(), want.numpy())
+
+
 def test_weights_outside_unit_interval_are_refused():
     grads = _grads(3)
     with pytest.raises(tf.errors.InvalidArgumentError, match='in \\[0, 1\\]'):

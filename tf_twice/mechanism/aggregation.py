@@ -109,7 +109,8 @@ def clipped_masked_block_sums(
 
     Returns:
       ``sums[j][k]``: the weighted sum over examples of the clipped masked
-      tensor k of block j, of shape ``blocks[j][k].shape[1:]``. Every
+      tensor k of block j, of shape ``blocks[j][k].shape[1:]``, in float32
+      for 16-bit input (``kernels.accumulation_dtype``). Every
       example's contribution to block j has l2 norm <= c2_j and every
       coordinate in [-c_inf_j, c_inf_j]; its masks are independent of every
       other block's (disjoint Philox streams, see the module docstring).
@@ -124,6 +125,8 @@ def clipped_masked_block_sums(
     linf = per_block('linf_norm_clips', linf_norm_clips, num_blocks)
     validate_each_block(l2_norm_clip=clips, linf_norm_clip=linf)
     validate_params(coordinate_sampling_rate=coordinate_sampling_rate)
+    blocks = [[tf.cast(g, kernels.accumulation_dtype(g.dtype)) for g in block]
+              for block in blocks]
     dtype = blocks[0][0].dtype
     if masks is not None:
         masks = per_block('masks', masks, num_blocks)
@@ -194,7 +197,8 @@ def clipped_masked_sum(
         kernel per tensor (the result is the same; it is faster on CPU).
 
     Returns:
-      One tensor of shape var_shape per variable. For every example, its
+      One tensor of shape var_shape per variable, in float32 for 16-bit
+      gradients (``kernels.accumulation_dtype``). For every example, its
       contribution has l2 norm <= c2 and every coordinate in [-c_inf, c_inf].
 
     Non-finite gradients: an example whose squared gradient norm is not finite

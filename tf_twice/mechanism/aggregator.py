@@ -536,6 +536,10 @@ class PrivateAggregator(hybrid.BasisHolder):
         context, _ = _replica_context()
         add_noise = (None if context is None else tf.equal(
             context.replica_id_in_sync_group, 0))
-        return hybrid.noisy_update(sums, self._config, basis=basis,
-                                   matrices=matrices, key=key,
-                                   add_noise=add_noise)
+        update = hybrid.noisy_update(sums, self._config, basis=basis,
+                                     matrices=matrices, key=key,
+                                     add_noise=add_noise)
+        # 16-bit variables: the float32 sums and noise are rounded to the
+        # variables' dtype only now, after the noise (post-processing).
+        return [tf.cast(u, tf.as_dtype(v.dtype))
+                for u, v in zip(update, variables)]

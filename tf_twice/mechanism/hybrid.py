@@ -40,6 +40,7 @@ import tensorflow as tf
 from tf_twice import config as config_lib
 from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import basis as basis_lib
+from tf_twice.mechanism import kernels
 
 __all__ = [
     'BasisVariables',
@@ -215,11 +216,13 @@ def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
 def zero_block_sums(variables: Sequence[tf.Variable],
                     basis: Optional[basis_lib.HybridBasis] = None
                     ) -> BlockSums:
-    """Zero accumulators with the layout ``block_sums`` returns."""
-    # tf.as_dtype: Keras 3 variables give their dtype as a string.
-    dtype = tf.as_dtype(variables[0].dtype) if variables else tf.float32
+    """Zero accumulators with the layout and dtypes ``block_sums`` returns
+    (float32 for 16-bit variables, ``kernels.accumulation_dtype``)."""
+    dtype = (kernels.accumulation_dtype(variables[0].dtype) if variables
+             else tf.float32)
     if basis is None:
-        return [[tf.zeros(v.shape, tf.as_dtype(v.dtype)) for v in variables]]
+        return [[tf.zeros(v.shape, kernels.accumulation_dtype(v.dtype))
+                 for v in variables]]
     principal = [[tf.zeros([row[j]], dtype) for row in basis.group_ranks]
                  for j in range(basis.num_principal_blocks)]
     return principal + [[tf.zeros([d], dtype) for d in basis.group_dims]]

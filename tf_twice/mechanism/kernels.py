@@ -28,6 +28,7 @@ from tf_twice.mechanism.outer_products import PerExample
 from tf_twice.mechanism.randomness import TensorLike
 
 __all__ = [
+    'accumulation_dtype',
     'check_weights',
     'clip_scale',
     'drop_non_finite',
@@ -38,6 +39,20 @@ __all__ = [
 
 def _num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(int(s) for s in shape))
+
+
+def accumulation_dtype(dtype: Any) -> tf.DType:
+    """The dtype in which per-example gradients of ``dtype`` are clipped,
+    masked and summed: float32 for 16-bit floats, else ``dtype``.
+
+    In float16 or bfloat16, ``scale * g`` rounds after the norm was
+    measured (to 2**-11 or 2**-8 of each coordinate), and an example's
+    contribution reached 1.0006 times the clip; its sum over a batch could
+    also overflow float16's range of 65,504. Rounding the noisy update back
+    to the variables' dtype afterwards is post-processing.
+    """
+    dtype = tf.as_dtype(dtype)
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
 
 
 def _in_xla_context() -> bool:
