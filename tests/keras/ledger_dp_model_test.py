@@ -215,6 +215,39 @@ def test_steps_of_a_replaced_dp_optimizer_are_charged():
     assert ledger.steps == 3 + 2 + 3 + 2
 
 
+@pytest.mark.parametrize('policy', ['mixed_float16', 'float16'])
+def test_reduced_precision_steps_are_charged(tmp_path, policy):
+    # Under 'mixed_float16' Keras wraps the optimizer in a
+    # LossScaleOptimizer, which DPModel's update bypasses; under 'float16'
+    # the variables are 16-bit. Either way an interrupted fit, a custom
+    # loop and a resumed ledger charge every step that ran.
+    path = str(tmp_path / 'ledger.json')
+    before = tf.keras.mixed_precision.global_policy()
+    tf.keras.mixed_precision.set_global_policy(policy)
+    try:
+        dp = _dp_model()
+        ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
+                                         save_every_steps=1, verbose=0)
+        with pytest.raises(OSError, match='disk full'):
+            dp.fit(_data(steps=5), callbacks=[_FailingCallback(3), ledger],
+                   verbose=0)
+        assert PrivacyLedger(EVENT, DELTA, state_path=path).steps >= 3
+        step = tf.function(dp.train_step)
+        for batch in _data(steps=2, seed=3):
+            step(batch)
+        resumed = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
+                                          save_every_steps=1, verbose=0)
+        dp.fit(_data(steps=2, seed=4), callbacks=[resumed], verbose=0)
+    finally:
+        tf.keras.mixed_precision.set_global_policy(before)
+    ran = 3 + 2 + 2
+    assert dp.aggregator.keys.draws == ran
+    # The crash may leave one write-ahead step charged that never ran
+    # (save_every_steps=1): never fewer than ran, at most one more.
+    assert ran <= resumed.steps <= ran + 1
+    assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == resumed.steps
+
+
 def test_custom_loop_steps_between_fits_are_charged():
     dp = _dp_model()
     ledger = PrivacyLedger.for_model(dp, delta=DELTA,
