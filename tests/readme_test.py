@@ -48,9 +48,9 @@ def test_readme_contains_every_test_command_ci_runs():
     assert any('TF_USE_LEGACY_KERAS=1 pytest' in c for c in commands.values())
 
 
-def test_readme_states_the_keras_ci_runs_the_newest_stack_with():
-    match = re.search(r'^NEWEST_KERAS="\$\{NEWEST_KERAS:-([a-z0-9-]+)\}"$',
+def test_readme_states_the_kerases_ci_runs_the_newest_stack_with():
+    match = re.search(r'^NEWEST_KERAS="\$\{NEWEST_KERAS:-([a-z0-9 -]+)\}"$',
                       CI_RUN.read_text(), re.M)
     assert match, '.ci/run does not set NEWEST_KERAS at the top'
     text = ' '.join(README.read_text().split())  # Undo line wrapping.
-    assert f'CI runs it with `NEWEST_KERAS={match.group(1)}`' in text
+    assert f'CI runs them with `NEWEST_KERAS={match.group(1)}`' in text
