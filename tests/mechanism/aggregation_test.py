@@ -228,36 +228,99 @@ def test_a_huge_finite_example_is_clipped(linf_norm_clip, jit_compile):
         assert np.abs(flat).max() <= linf_norm_clip * (1 + 1e-6)
 
 
-@pytest.mark.parametrize('dtype', [tf.float16, tf.bfloat16])
-@pytest.mark.parametrize('linf_norm_clip', [0.3, None])
-@pytest.mark.parametrize('jit_compile', [True, False])
-def test_16_bit_gradients_are_clipped_in_float32(dtype, linf_norm_clip,
-                                                  jit_compile):
-    # Example i is non-zero only in coordinates [16 i, 16 i + 16), so that
-    # slice of the sum is exactly its contribution. Computed in 16 bits,
-    # scale * g rounded after the norm was measured: up to 1.0012 (float16)
-    # and 1.0058 (bfloat16) times c2 here, and past c_inf.
-    batch, width = 64, 16
-    rng = np.random.default_rng(5)
+def _one_slice_per_example(batch, width, seed):
+    """[batch, batch * width] gradients, example i non-zero only in
+    coordinates [width i, width (i + 1)): that slice of a sum over the
+    examples is exactly example i's contribution."""
+    rng = np.random.default_rng(seed)
     grads = np.zeros((batch, batch * width))
     for i in range(batch):
         grads[i, i * width:(i + 1) * width] = (
             rng.standard_normal(width) * rng.uniform(1, 30))
-    grads_16 = tf.constant(grads, dtype)
-    (total,) = agg.clipped_masked_sum([grads_16], l2_norm_clip=0.7,
-                                      linf_norm_clip=linf_norm_clip,
-                                      jit_compile=jit_compile)
+    return grads
+
+
+@pytest.mark.parametrize('dtype', [tf.float16, tf.bfloat16])
+@pytest.mark.parametrize('linf_norm_clip', [0.3, None])
+@pytest.mark.parametrize('jit_compile', [True, False])
+@pytest.mark.parametrize('q2, weighted', [(1.0, False), (0.5, True)])
+def test_16_bit_gradients_are_clipped_in_float32(dtype, linf_norm_clip,
+                                                  jit_compile, q2, weighted):
+    # Computed in 16 bits, scale * g rounded after the norm was measured:
+    # up to 1.0012 (float16) and 1.0058 (bfloat16) times c2 here, and past
+    # c_inf.
+    batch, width = 64, 16
+    grads_16 = tf.constant(_one_slice_per_example(batch, width, 5), dtype)
+    weights = (np.random.default_rng(6).uniform(0.5, 1, batch).astype(
+        np.float32) if weighted else None)
+    kwargs = dict(l2_norm_clip=0.7, linf_norm_clip=linf_norm_clip,
+                  coordinate_sampling_rate=q2, weights=weights,
+                  key=randomness.draw_step_key(
+                      tf.random.Generator.from_seed(3)),
+                  jit_compile=jit_compile)
+    (total,) = agg.clipped_masked_sum([grads_16], **kwargs)
     assert total.dtype == tf.float32
     each = total.numpy().astype(np.float64).reshape(batch, width)
-    assert np.linalg.norm(each, axis=1).max() <= 0.7 * (1 + 1e-6)
+    bound = np.ones(batch) if weights is None else weights
+    assert np.all(np.linalg.norm(each, axis=1) <= 0.7 * bound * (1 + 1e-6))
     if linf_norm_clip is not None:
-        assert np.abs(each).max() <= linf_norm_clip * (1 + 1e-6)
-    # The same numbers as the float32 aggregation of the 16-bit values.
+        assert np.all(np.abs(each).max(axis=1)
+                      <= linf_norm_clip * bound * (1 + 1e-6))
+    # The same numbers (masks included) as the float32 aggregation of the
+    # 16-bit values.
     (want,) = agg.clipped_masked_sum([tf.cast(grads_16, tf.float32)],
-                                     l2_norm_clip=0.7,
-                                     linf_norm_clip=linf_norm_clip,
-                                     jit_compile=jit_compile)
+                                     **kwargs)
     np.testing.assert_array_equal(total.numpy(), want.numpy())
+
+
+def test_16_bit_and_float32_blocks_are_each_clipped():
+    batch, width = 32, 8
+    grads = _one_slice_per_example(batch, width, 7)
+    blocks = [[tf.constant(grads, tf.float16)],
+              [tf.constant(grads, tf.float32)],
+              [tf.constant(grads, tf.bfloat16)]]
+    sums = agg.clipped_masked_block_sums(
+        blocks, l2_norm_clips=[0.3, 0.2, 0.1],
+        linf_norm_clips=[None, 0.05, 0.04])
+    for block, c2, c_inf in zip(sums, [0.3, 0.2, 0.1], [None, 0.05, 0.04]):
+        assert block[0].dtype == tf.float32
+        each = block[0].numpy().astype(np.float64).reshape(batch, width)
+        assert np.linalg.norm(each, axis=1).max() <= c2 * (1 + 1e-6)
+        if c_inf is not None:
+            assert np.abs(each).max() <= c_inf * (1 + 1e-6)
+
+
+@pytest.mark.parametrize('jit_compile', [True, False])
+def test_16_bit_rows_are_dropped_or_clipped_by_their_float32_norm(
+        jit_compile):
+    # NaN and inf rows are dropped. A float16 row of 65504s (float16's
+    # largest) has a float16 squared norm of inf but a finite float32 one:
+    # it is clipped, like any finite gradient.
+    batch, width = 8, 4
+    grads = _one_slice_per_example(batch, width, 8)
+    grads[1, 4:8] = [np.nan, 1, 1, 1]
+    grads[2, 8:12] = [np.inf, 1, 1, 1]
+    grads[3, 12:16] = 65504
+    kwargs = dict(l2_norm_clip=0.7, jit_compile=jit_compile)
+    (got,) = agg.clipped_masked_sum([tf.constant(grads, tf.float16)],
+                                    **kwargs)
+    each = got.numpy().astype(np.float64).reshape(batch, width)
+    assert np.all(each[1:3] == 0)
+    np.testing.assert_allclose(each[3], np.full(width, 0.35), rtol=1e-6)
+    clean = grads.copy()
+    clean[1:3] = 0
+    (want,) = agg.clipped_masked_sum([tf.constant(clean, tf.float16)],
+                                     **kwargs)
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_a_weight_above_1_is_refused_with_16_bit_gradients():
+    # Checked in float32: cast to float16, 1 + 2**-12 would round to 1.
+    grads = _grads(3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match='in \\[0, 1\\]'):
+        agg.clipped_masked_sum(
+            [tf.constant(g, tf.float16) for g in grads], l2_norm_clip=1.0,
+            weights=np.array([1, 1 + 2**-12, 1], np.float32))
 
 
 def test_weights_outside_unit_interval_are_refused():

@@ -202,7 +202,8 @@ def clipped_masked_sum(
       contribution has l2 norm <= c2 and every coordinate in [-c_inf, c_inf].
 
     Non-finite gradients: an example whose squared gradient norm is not finite
-    (a NaN or Inf coordinate, or a norm beyond the dtype's range) is dropped:
+    (a NaN or Inf coordinate, or a squared norm beyond the range of the
+    dtype it is computed in: float32 for 16-bit gradients) is dropped:
     it contributes exactly zero, which stays inside the sensitivity set, so the
     guarantee holds; the update is not poisoned.
     """

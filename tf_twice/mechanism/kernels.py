@@ -46,10 +46,13 @@ def accumulation_dtype(dtype: Any) -> tf.DType:
     masked and summed: float32 for 16-bit floats, else ``dtype``.
 
     In float16 or bfloat16, ``scale * g`` rounds after the norm was
-    measured (to 2**-11 or 2**-8 of each coordinate), and an example's
-    contribution reached 1.0006 times the clip; its sum over a batch could
-    also overflow float16's range of 65,504. Rounding the noisy update back
-    to the variables' dtype afterwards is post-processing.
+    measured (to 2**-11 or 2**-8 of each coordinate): an example's
+    contribution reached 1.0012 (float16) and 1.0058 (bfloat16) times the
+    clip, and exceeded the l-infinity clip. A sum over a batch could also
+    overflow float16's range of 65,504. Norms are float32 too, so a
+    float16 gradient whose squared norm overflows float16 but not float32
+    is clipped, not dropped. Rounding the noisy update back to the
+    variables' dtype afterwards is post-processing.
     """
     dtype = tf.as_dtype(dtype)
     return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
