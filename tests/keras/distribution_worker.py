@@ -94,6 +94,23 @@ def noiseless_update(replicas, path, strategy=None):
                                zip(dp.trainable_variables, before)]).tolist()
 
 
+def float16_variables(replicas, path):
+    """'trained', or the error of a step on float16 variables."""
+    x, y = tiny_models.data(11, seed=3)
+    before = tf.keras.mixed_precision.global_policy()
+    tf.keras.mixed_precision.set_global_policy('float16')
+    try:
+        with _strategy(replicas).scope():
+            dp = _build(path, 1.0, tiny_models.mlp)
+            dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1,
+                   verbose=0)
+        return 'trained'
+    except ValueError as e:
+        return str(e)
+    finally:
+        tf.keras.mixed_precision.set_global_policy(before)
+
+
 def _conv_model():
     """The reference CNN's layers at 8x8x1 (conv kernels through the grouped
     convolution where the CPU takes it, dense kernels as outer products)."""
@@ -257,6 +274,7 @@ def main():
             for task, fn in (('noiseless', noiseless_update),
                              ('noiseless_conv', noiseless_conv_update),
                              ('weights_reload', weights_reload),
+                             ('float16', float16_variables),
                              ('noise', noise_std_and_ledger))}
         for replicas in sys.argv[1].split(',')}
     for replicas in sys.argv[1].split(','):

@@ -58,6 +58,7 @@ from tf_twice import _files as files
 from tf_twice import config as config_lib
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
+from tf_twice.mechanism import kernels
 from tf_twice.mechanism import randomness
 
 __all__ = ['PrivateAggregator', 'StepKeys', 'RANDOM_STATE_FORMAT',
@@ -346,6 +347,32 @@ def global_offset(local_size: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(sizes[:rid])
 
 
+def _refuse_rounding_before_the_sum(variables: Sequence[tf.Variable],
+                                    replicas: int) -> None:
+    """Refuses 16-bit variables under a strategy of several replicas.
+
+    Each replica's update is rounded to its variables' dtype before the
+    optimizer adds the replicas' updates, and only replica 0's holds the
+    noise. Rounded to 16 bits, a noise-free share of a sum of many clipped
+    gradients can move by about 2**-11 of its size (float16) when one
+    example changes: more than the clip for a share of a few thousand
+    examples. Rounding after the sum would be post-processing; before it,
+    it is not.
+    """
+    low = sorted({tf.as_dtype(v.dtype).name for v in variables
+                  if kernels.accumulation_dtype(v.dtype)
+                  != tf.as_dtype(v.dtype)})
+    if low:
+        raise ValueError(
+            f'trainable variables of dtype {", ".join(low)} under a '
+            f'tf.distribute strategy of {replicas} replicas: each replica\'s '
+            'share of the update would be rounded to 16 bits before the '
+            'shares are summed, so one example could move the released sum '
+            'by more than the clip. Use float32 variables (the '
+            '\'mixed_float16\' and \'mixed_bfloat16\' policies keep them) '
+            'or one replica.')
+
+
 class PrivateAggregator(hybrid.BasisHolder):
     """Clips, masks, sums and noises per-example gradients of logical batches.
 
@@ -533,7 +560,9 @@ class PrivateAggregator(hybrid.BasisHolder):
         clipped sums and keeps exactly one copy of the noise.
         """
         basis, matrices = self._basis_and_matrices(variables)
-        context, _ = _replica_context()
+        context, replicas = _replica_context()
+        if context is not None:
+            _refuse_rounding_before_the_sum(variables, replicas)
         add_noise = (None if context is None else tf.equal(
             context.replica_id_in_sync_group, 0))
         update = hybrid.noisy_update(sums, self._config, basis=basis,
