@@ -557,7 +557,12 @@ class PrivateAggregator(hybrid.BasisHolder):
 
         Under a multi-replica strategy only replica 0 adds noise; the
         optimizer's cross-replica SUM of the replicas' updates adds the
-        clipped sums and keeps exactly one copy of the noise.
+        clipped sums and keeps exactly one copy of the noise. The update
+        has the variables' dtypes.
+
+        Raises:
+          ValueError: 16-bit variables under several replicas
+            (``_refuse_rounding_before_the_sum``).
         """
         basis, matrices = self._basis_and_matrices(variables)
         context, replicas = _replica_context()
