@@ -1,5 +1,7 @@
 """Tiny models and data shared by the training-path tests."""
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -7,6 +9,18 @@ from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel
 
 NUM_FEATURES, NUM_CLASSES = 4, 3
+
+
+@contextlib.contextmanager
+def dtype_policy(policy):
+    """Keras's global dtype policy is ``policy`` inside, the one found
+    outside (a failing test must not leave it set for the next)."""
+    before = tf.keras.mixed_precision.global_policy()
+    tf.keras.mixed_precision.set_global_policy(policy)
+    try:
+        yield
+    finally:
+        tf.keras.mixed_precision.set_global_policy(before)
 
 
 def data(batch, seed=0):

@@ -97,18 +97,14 @@ def noiseless_update(replicas, path, strategy=None):
 def float16_variables(replicas, path):
     """'trained', or the error of a step on float16 variables."""
     x, y = tiny_models.data(11, seed=3)
-    before = tf.keras.mixed_precision.global_policy()
-    tf.keras.mixed_precision.set_global_policy('float16')
     try:
-        with _strategy(replicas).scope():
+        with tiny_models.dtype_policy('float16'), _strategy(replicas).scope():
             dp = _build(path, 1.0, tiny_models.mlp)
             dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1,
                    verbose=0)
         return 'trained'
     except ValueError as e:
         return str(e)
-    finally:
-        tf.keras.mixed_precision.set_global_policy(before)
 
 
 def _conv_model():

@@ -110,9 +110,7 @@ def test_mixed_float16_applies_the_update_unscaled(dp_optimizer):
     x, y = _data(8)
 
     def step(policy):
-        before = tf.keras.mixed_precision.global_policy()
-        tf.keras.mixed_precision.set_global_policy(policy)
-        try:
+        with tiny_models.dtype_policy(policy):
             if dp_optimizer:
                 dp = DPModel(_mlp(), physical_batch_size=4)
                 dp.compile(
@@ -123,8 +121,6 @@ def test_mixed_float16_applies_the_update_unscaled(dp_optimizer):
                 dp = _private(_mlp())
             tiny_models.one_step(dp, x, y)
             return dp
-        finally:
-            tf.keras.mixed_precision.set_global_policy(before)
 
     mixed, full = step('mixed_float16'), step('float32')
     assert isinstance(mixed.optimizer,
@@ -143,14 +139,10 @@ def test_float16_variables_train_on_float32_sums():
     # (kernels.accumulation_dtype) and the update is rounded to float16
     # only when applied.
     x, y = _data(8)
-    before = tf.keras.mixed_precision.global_policy()
-    tf.keras.mixed_precision.set_global_policy('float16')
-    try:
+    with tiny_models.dtype_policy('float16'):
         dp = _private(_mlp())
         initial = _weights(dp)
         tiny_models.one_step(dp, x, y)
-    finally:
-        tf.keras.mixed_precision.set_global_policy(before)
     assert all(tf.as_dtype(v.dtype) == tf.float16
                for v in dp.trainable_variables)
     moved = [np.abs(w - i).max() for w, i in zip(_weights(dp), initial)]

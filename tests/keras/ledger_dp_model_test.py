@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tests import markers
+from tests import tiny_models
 from tests.keras.ledger_setup import accountant_epsilon as _accountant_epsilon
 from tests.keras.ledger_setup import data as _data
 from tests.keras.ledger_setup import DELTA, EVENT, Q1, X, Y
@@ -222,9 +223,7 @@ def test_reduced_precision_steps_are_charged(tmp_path, policy):
     # the variables are 16-bit. Either way an interrupted fit, a custom
     # loop and a resumed ledger charge every step that ran.
     path = str(tmp_path / 'ledger.json')
-    before = tf.keras.mixed_precision.global_policy()
-    tf.keras.mixed_precision.set_global_policy(policy)
-    try:
+    with tiny_models.dtype_policy(policy):
         dp = _dp_model()
         ledger = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
                                          save_every_steps=1, verbose=0)
@@ -238,8 +237,6 @@ def test_reduced_precision_steps_are_charged(tmp_path, policy):
         resumed = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
                                           save_every_steps=1, verbose=0)
         dp.fit(_data(steps=2, seed=4), callbacks=[resumed], verbose=0)
-    finally:
-        tf.keras.mixed_precision.set_global_policy(before)
     ran = 3 + 2 + 2
     assert dp.aggregator.keys.draws == ran
     # The crash may leave one write-ahead step charged that never ran
