@@ -107,6 +107,29 @@ def float16_variables(replicas, path):
         return str(e)
 
 
+def _half_float16_mlp():
+    """tiny_models.mlp with its second layer's variables in float16."""
+    tf.keras.utils.set_random_seed(0)
+    return tf.keras.Sequential([
+        tf.keras.layers.Dense(5, activation='tanh',
+                              input_shape=(tiny_models.NUM_FEATURES,)),
+        tf.keras.layers.Dense(tiny_models.NUM_CLASSES, dtype='float16'),
+    ])
+
+
+def one_float16_layer(replicas, path):
+    """'trained', or the error of a step where one layer is float16."""
+    x, y = tiny_models.data(11, seed=3)
+    try:
+        with _strategy(replicas).scope():
+            dp = _build(path, 1.0, _half_float16_mlp)
+            dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1,
+                   verbose=0)
+        return 'trained'
+    except ValueError as e:
+        return str(e)
+
+
 def _conv_model():
     """The reference CNN's layers at 8x8x1 (conv kernels through the grouped
     convolution where the CPU takes it, dense kernels as outer products)."""
@@ -271,6 +294,7 @@ def main():
                              ('noiseless_conv', noiseless_conv_update),
                              ('weights_reload', weights_reload),
                              ('float16', float16_variables),
+                             ('one_float16_layer', one_float16_layer),
                              ('noise', noise_std_and_ledger))}
         for replicas in sys.argv[1].split(',')}
     for replicas in sys.argv[1].split(','):
