@@ -31,14 +31,15 @@ def data(batch, seed=0):
     return x, y
 
 
-def mlp(seed=0, width=5):
+def mlp(seed=0, width=5, dtypes=(None, None)):
     """A two-layer tanh network; d = 8 width + 3 parameters (43 for the
-    default width 5)."""
+    default width 5). ``dtypes``: the two layers' dtypes (None: the global
+    policy's)."""
     tf.keras.utils.set_random_seed(seed)
     return tf.keras.Sequential([
         tf.keras.layers.Dense(width, activation='tanh',
-                              input_shape=(NUM_FEATURES,)),
-        tf.keras.layers.Dense(NUM_CLASSES),
+                              input_shape=(NUM_FEATURES,), dtype=dtypes[0]),
+        tf.keras.layers.Dense(NUM_CLASSES, dtype=dtypes[1]),
     ])
 
 

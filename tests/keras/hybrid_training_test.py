@@ -72,6 +72,31 @@ def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
     assert not np.allclose(_weights(plain)[0], _weights(dp)[0])
 
 
+@pytest.mark.parametrize('with_basis', [False, True])
+def test_a_float64_layer_among_float32_ones_trains_as_if_all_were_float64(
+        with_basis):
+    # An example's norm spans both layers, so the step clips, masks, sums
+    # and noises in float64 (kernels.accumulation_dtype) and each variable
+    # keeps its dtype. Only the float32 layer's own arithmetic differs from
+    # an all-float64 model with the same weights (so the same seeded keys).
+    basis, config = (_basis(), HYBRID) if with_basis else (None, SINGLE)
+    x, y = _data(8, seed=2)
+    initial = _mlp(dtypes=('float64', 'float32')).get_weights()
+    results = []
+    for dtypes in (('float64', 'float32'), ('float64', 'float64')):
+        model = _mlp(dtypes=dtypes)
+        model.set_weights(initial)
+        dp = DPModel(model, config, basis=basis, physical_batch_size=3,
+                     seed=SEED)
+        dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
+        tiny_models.one_step(dp, x, y)
+        assert [tf.as_dtype(v.dtype).name for v in dp.trainable_variables
+                ] == [dtypes[0]] * 2 + [dtypes[1]] * 2
+        results.append(_weights(dp))
+    assert not np.allclose(results[0][0], _weights(_mlp())[0])
+    _assert_all_close(results[0], results[1])
+
+
 def test_microbatching_does_not_change_the_hybrid_update():
     basis = _basis()
     x, y = _data(10, seed=4)

@@ -290,6 +290,30 @@ def test_16_bit_and_float32_blocks_are_each_clipped():
             assert np.abs(each).max() <= c_inf * (1 + 1e-6)
 
 
+@pytest.mark.parametrize('other', [tf.float32, tf.float16])
+@pytest.mark.parametrize('jit_compile', [True, False])
+def test_a_block_of_float64_and_narrower_tensors_is_summed_in_float64(
+        other, jit_compile):
+    # An example's norm adds squares over all tensors of its block, so a
+    # float64 layer next to float32 (or float16) ones puts the whole block
+    # in float64: the same numbers, masks included, as all-float64 input.
+    grads = _grads(9, seed=21, scale=2.0)
+    mixed = [tf.constant(grads[0], tf.float64)] + [
+        tf.constant(g, other) for g in grads[1:]]
+    kwargs = dict(l2_norm_clip=0.7, linf_norm_clip=0.2,
+                  coordinate_sampling_rate=0.5,
+                  weights=np.linspace(0.2, 1, 9).astype(np.float32),
+                  key=randomness.draw_step_key(
+                      tf.random.Generator.from_seed(4)),
+                  jit_compile=jit_compile)
+    got = agg.clipped_masked_sum(mixed, **kwargs)
+    assert [s.dtype for s in got] == [tf.float64] * len(grads)
+    want = agg.clipped_masked_sum([tf.cast(g, tf.float64) for g in mixed],
+                                  **kwargs)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 @pytest.mark.parametrize('jit_compile', [True, False])
 def test_16_bit_rows_are_dropped_or_clipped_by_their_float32_norm(
         jit_compile):

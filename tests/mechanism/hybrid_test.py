@@ -14,6 +14,7 @@ from tests.hybrid_setup import random_grads as _random_grads
 from tests.hybrid_setup import NUM_EXAMPLES
 from tf_twice.config import TwiceSamplingConfig
 from tf_twice.mechanism import aggregation as agg
+from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import randomness
 from tf_twice.mechanism import hybrid
 
@@ -197,3 +198,36 @@ def test_composed_update_has_the_hybrid_noise_covariance():
         coef = u @ basis.block(0, j).numpy()
         want = math.sqrt(sigma[j]**2 + sigma[2]**2)
         assert abs(coef.std() / want - 1) < 5 / math.sqrt(2 * coef.size)
+
+
+def test_variables_of_several_dtypes_share_one_accumulation_dtype():
+    # A group joining a float32 and a float64 variable (a float64 layer in
+    # a float32 model): its blocks are formed, clipped and summed in
+    # float64, the zero accumulators match them, and the noisy update has
+    # the same values as all-float64 input.
+    rng = np.random.default_rng(8)
+    matrices = [np.linalg.qr(rng.standard_normal((7, 3)))[0],
+                np.linalg.qr(rng.standard_normal((2, 2)))[0]]
+    basis = basis_lib.HybridBasis(
+        matrices, [[2, 1], [1, 1]], groups=[[0, 1], [2]],
+        variable_shapes=[(3,), (4,), (2,)])
+    dtypes = [tf.float32, tf.float64, tf.float16]
+    variables = [tf.Variable(tf.zeros(s, d))
+                 for s, d in zip(basis.variable_shapes, dtypes)]
+    grads = [tf.constant(g, d) for g, d in zip(
+        _random_grads(5, basis.variable_shapes, seed=9, scale=2.0), dtypes)]
+    params = _params(num_examples=NUM_EXAMPLES)
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(6))
+    zeros = hybrid.zero_block_sums(variables, basis)
+    sums = hybrid.block_sums(grads, params, basis=basis, key=key)
+    assert ([[(z.dtype, z.shape) for z in block] for block in zeros]
+            == [[(s.dtype, s.shape) for s in block] for block in sums])
+    assert {s.dtype for block in sums for s in block} == {tf.float64}
+    added = [[z + s for z, s in zip(*pair)] for pair in zip(zeros, sums)]
+    update = hybrid.noisy_update(added, params, basis=basis, key=key)
+    want = hybrid.noisy_update(
+        hybrid.block_sums([tf.cast(g, tf.float64) for g in grads], params,
+                          basis=basis, key=key),
+        params, basis=basis, key=key)
+    for u, w in zip(update, want):
+        np.testing.assert_array_equal(u.numpy(), w.numpy())

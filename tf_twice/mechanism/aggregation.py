@@ -125,9 +125,9 @@ def clipped_masked_block_sums(
     linf = per_block('linf_norm_clips', linf_norm_clips, num_blocks)
     validate_each_block(l2_norm_clip=clips, linf_norm_clip=linf)
     validate_params(coordinate_sampling_rate=coordinate_sampling_rate)
-    blocks = [[tf.cast(g, kernels.accumulation_dtype(g.dtype)) for g in block]
-              for block in blocks]
-    dtype = blocks[0][0].dtype
+    dtype = kernels.accumulation_dtype(
+        *(g.dtype for block in blocks for g in block))
+    blocks = [[tf.cast(g, dtype) for g in block] for block in blocks]
     if masks is not None:
         masks = per_block('masks', masks, num_blocks)
         for j, (block, block_masks) in enumerate(zip(blocks, masks)):

@@ -208,6 +208,11 @@ def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
     grads = [tf.convert_to_tensor(g) for g in per_example_grads]
     if basis is None:
         return [grads]
+    # A group may join variables of different dtypes (a float64 layer next
+    # to float32 ones), and a 16-bit projection would round the basis: the
+    # blocks are formed in the dtype they are clipped and summed in.
+    dtype = kernels.accumulation_dtype(*(g.dtype for g in grads))
+    grads = [tf.cast(g, dtype) for g in grads]
     projection = basis.project(basis.flatten(grads), matrices)
     return ([list(c) for c in projection.coefficients]
             + [list(projection.residual)])
@@ -216,13 +221,12 @@ def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
 def zero_block_sums(variables: Sequence[tf.Variable],
                     basis: Optional[basis_lib.HybridBasis] = None
                     ) -> BlockSums:
-    """Zero accumulators with the layout and dtypes ``block_sums`` returns
-    (float32 for 16-bit variables, ``kernels.accumulation_dtype``)."""
-    dtype = (kernels.accumulation_dtype(variables[0].dtype) if variables
-             else tf.float32)
+    """Zero accumulators with the layout and dtype ``block_sums`` returns
+    (``kernels.accumulation_dtype`` of the variables' dtypes)."""
+    dtype = (kernels.accumulation_dtype(*(v.dtype for v in variables))
+             if variables else tf.float32)
     if basis is None:
-        return [[tf.zeros(v.shape, kernels.accumulation_dtype(v.dtype))
-                 for v in variables]]
+        return [[tf.zeros(v.shape, dtype) for v in variables]]
     principal = [[tf.zeros([row[j]], dtype) for row in basis.group_ranks]
                  for j in range(basis.num_principal_blocks)]
     return principal + [[tf.zeros([d], dtype) for d in basis.group_dims]]

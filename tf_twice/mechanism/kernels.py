@@ -41,9 +41,10 @@ def _num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(int(s) for s in shape))
 
 
-def accumulation_dtype(dtype: Any) -> tf.DType:
-    """The dtype in which per-example gradients of ``dtype`` are clipped,
-    masked and summed: float32 for 16-bit floats, else ``dtype``.
+def accumulation_dtype(*dtypes: Any) -> tf.DType:
+    """The one dtype in which per-example gradients of ``dtypes`` are
+    clipped, masked and summed together: the widest of them, and at least
+    float32.
 
     In float16 or bfloat16, ``scale * g`` rounds after the norm was
     measured (to 2**-11 or 2**-8 of each coordinate): an example's
@@ -52,10 +53,15 @@ def accumulation_dtype(dtype: Any) -> tf.DType:
     overflow float16's range of 65,504. Norms are float32 too, so a
     float16 gradient whose squared norm overflows float16 but not float32
     is clipped, not dropped. Rounding the noisy update back to the
-    variables' dtype afterwards is post-processing.
+    variables' dtype afterwards is post-processing. One dtype for all
+    tensors: an example's norm adds up squares over every tensor of a block,
+    and a block may span variables of float64 and float32.
     """
-    dtype = tf.as_dtype(dtype)
-    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+    if not dtypes:
+        raise ValueError('accumulation_dtype needs at least one dtype.')
+    widths = {tf.as_dtype(d): tf.as_dtype(d).size for d in dtypes}
+    widest = max(widths, key=widths.get)
+    return tf.float32 if widest.size <= 4 else widest
 
 
 def _in_xla_context() -> bool:
