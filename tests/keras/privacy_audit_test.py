@@ -4,10 +4,11 @@ if its defence is removed.
 1. Artifacts and the ledger's state file: the file holds no step key or
    seed, and a file whose segments were cut or edited is refused rather
    than read as fewer steps.
-2. Extreme records: a record with NaN, inf or 1e38 features or targets
+2. Extreme records: a record with NaN, inf, 1e38 or 300 features or targets
    changes the released update (noise included) by at most its own clipped
-   contribution; a weight above 1 never reaches an update; a class_weight
-   lookup must not abort the step of a record with a label outside it.
+   contribution, under every dtype policy; a weight above 1 never reaches an
+   update; a class_weight lookup must not abort the step of a record with
+   a label outside it.
 3. Resume: a state file older than the checkpoint it is resumed with is
    refused (its epsilon would miss the steps in the weights); a step whose
    ``on_train_batch_end`` an exception cut off is charged before the
@@ -131,17 +132,30 @@ def _update(dp, initial, x, y, w):
     dp.set_weights(initial)
     dp.aggregator.keys.set_state(tiny_models.FIXED_KEY_STATE)
     tiny_models.one_step(dp, x, y, w)
-    return np.concatenate([(a - b).ravel()
-                           for a, b in zip(dp.get_weights(), initial)])
+    return np.concatenate([
+        (np.asarray(a, np.float64) - np.asarray(b, np.float64)).ravel()
+        for a, b in zip(dp.get_weights(), initial)])
 
 
+# Each run's weights round to the variables' dtype once, by at most half a
+# unit in the last place: 2**-11 (float16) or 2**-8 (bfloat16) relative.
+_HALF_ULP = {'float16': 2.0**-11, 'bfloat16': 2.0**-8}
+
+
+@pytest.mark.parametrize('policy', [
+    'float32', 'mixed_float16', 'mixed_bfloat16', 'float16', 'bfloat16'])
 @pytest.mark.parametrize('where', ['feature', 'target'])
-def test_extreme_record_moves_the_noisy_update_by_at_most_its_clip(where):
+def test_extreme_record_moves_the_noisy_update_by_at_most_its_clip(
+        where, policy):
     # Noise on (z = 1, the calibrated kind), masks and the l-infinity clip:
     # the record's own clipped contribution is all it can change; it can
-    # neither poison the update (non-finite) nor touch the noise.
-    dp = _dp_model(loss=tf.keras.losses.MeanSquaredError(
-        reduction=tf.keras.losses.Reduction.NONE), inner=tiny_models.mlp())
+    # neither poison the update (non-finite) nor touch the noise. Under
+    # every dtype policy: 16-bit gradients are clipped and summed in
+    # float32, and only the applied update is rounded to 16-bit variables.
+    with tiny_models.dtype_policy(policy):
+        dp = _dp_model(loss=tf.keras.losses.MeanSquaredError(
+            reduction=tf.keras.losses.Reduction.NONE),
+            inner=tiny_models.mlp())
     x, labels = tiny_models.data(6, seed=2)
     y = np.eye(tiny_models.NUM_CLASSES, dtype=np.float32)[labels]
     initial = dp.get_weights()
@@ -150,14 +164,21 @@ def test_extreme_record_moves_the_noisy_update_by_at_most_its_clip(where):
     padded[bad] = 0.0
     reference = _update(dp, initial, x, y, padded)
     scale = LR / (B_EXP * Q2)
-    for value in (np.nan, np.inf, -np.inf, 1e38, -1e38):
+    # Rounding of the two runs' weights, per coordinate.
+    weights = np.concatenate([np.abs(np.asarray(w, np.float64)).ravel()
+                              for w in initial])
+    rounding = 2 * _HALF_ULP.get(policy, 0.0) * (
+        weights + np.abs(reference) + scale * C_INF)
+    for value in (np.nan, np.inf, -np.inf, 1e38, -1e38, 300.0):
         bx, by = x.copy(), y.copy()
-        (bx if where == 'feature' else by)[bad, 0] = value
+        (bx if where == 'feature' else by)[bad] = value
         got = _update(dp, initial, bx, by, np.ones(len(x), np.float32))
         assert np.all(np.isfinite(got)), value
         own = got - reference
-        assert np.linalg.norm(own) <= scale * C2 * (1 + 1e-4), value
-        assert np.abs(own).max() <= scale * C_INF * (1 + 1e-4), value
+        assert (np.linalg.norm(own) <= scale * C2 * (1 + 1e-4)
+                + np.linalg.norm(rounding)), value
+        assert np.all(np.abs(own) <= scale * C_INF * (1 + 1e-4)
+                      + rounding), value
 
 
 @pytest.mark.parametrize('weight', [1.5, np.nan, -0.5])
