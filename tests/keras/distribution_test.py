@@ -71,13 +71,16 @@ def results():
     return merged
 
 
+@pytest.mark.parametrize('task', ['noiseless', 'noiseless_mixed_float16'])
 @pytest.mark.parametrize('path', PATHS)
-def test_update_does_not_depend_on_the_number_of_replicas(results, path):
-    single = np.array(results['0']['noiseless'][path])
+def test_update_does_not_depend_on_the_number_of_replicas(results, path,
+                                                          task):
+    # Also under 'mixed_float16' (float16 arithmetic, float32 variables).
+    single = np.array(results['0'][task][path])
     assert np.abs(single).max() > 1e-3  # The step moved the weights.
     for replicas in ('1', '2', '4'):
         np.testing.assert_allclose(
-            results[replicas]['noiseless'][path], single, rtol=1e-5,
+            results[replicas][task][path], single, rtol=1e-5,
             atol=1e-6, err_msg=f'R={replicas}')
 
 

@@ -94,6 +94,13 @@ def noiseless_update(replicas, path, strategy=None):
                                zip(dp.trainable_variables, before)]).tolist()
 
 
+def noiseless_mixed_float16_update(replicas, path):
+    """``noiseless_update`` under 'mixed_float16': float16 per-example
+    arithmetic, float32 variables (which several replicas may share)."""
+    with tiny_models.dtype_policy('mixed_float16'):
+        return noiseless_update(replicas, path)
+
+
 def float16_variables(replicas, path):
     """'trained', or the error of a step on float16 variables."""
     x, y = tiny_models.data(11, seed=3)
@@ -291,6 +298,8 @@ def main():
         replicas: {
             task: {path: fn(int(replicas), path) for path in PATHS}
             for task, fn in (('noiseless', noiseless_update),
+                             ('noiseless_mixed_float16',
+                              noiseless_mixed_float16_update),
                              ('noiseless_conv', noiseless_conv_update),
                              ('weights_reload', weights_reload),
                              ('float16', float16_variables),
