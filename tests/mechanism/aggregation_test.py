@@ -170,6 +170,45 @@ def test_linf_clip_applies_after_l2_clip():
         sums[1].numpy(), [0, 0, 0.15, min(0.5 * scaled, 0.15), 0], rtol=1e-6)
 
 
+@pytest.mark.parametrize('jit_compile', [True, False])
+def test_a_clip_is_rounded_down_to_the_dtype(jit_compile):
+    # float32(0.1) is 0.10000000149: rounded to nearest, the l-infinity
+    # clip let each coordinate exceed the c_inf the accountant assumes.
+    grads = np.diag([5.0, -5.0, 1e4]).astype(np.float32)
+    (total,) = agg.clipped_masked_sum([grads], l2_norm_clip=10.0,
+                                      linf_norm_clip=0.1,
+                                      jit_compile=jit_compile)
+    each = total.numpy().astype(np.float64)
+    assert np.all(np.abs(each) <= 0.1) and np.all(np.abs(each) > 0.0999999)
+
+
+@pytest.mark.parametrize('dtype, std', [(tf.float32, 0.7),
+                                        (tf.float16, 0.1)])
+def test_a_noise_std_is_rounded_up_to_the_dtype(dtype, std):
+    # 0.7 rounds down in float32 (0.69999999) and 0.1 in float16 (0.09998):
+    # rounded to nearest, the step added less noise than accounted.
+    (update,) = agg.add_noise_and_normalize(
+        [tf.zeros([3], dtype)], l2_norm_clip=std, noise_multiplier=1.0,
+        expected_batch_size=1.0, noise=[tf.ones([3], dtype)])
+    got = update.numpy().astype(np.float64)
+    assert np.all(got >= std) and np.all(got < std * (1 + 2e-3))
+
+
+def test_an_linf_clip_that_rounds_to_0_is_refused():
+    # (l2_norm_clip is validated to [1e-12, 1e30].) Rounded to nearest,
+    # 1e-45 became float32's 1.4e-45, 1.4 times the clip.
+    with pytest.raises(ValueError, match='linf_norm_clip=1e-45 rounds to 0 '
+                                         'in float32'):
+        agg.clipped_masked_sum(_grads(3), l2_norm_clip=1.0,
+                               linf_norm_clip=1e-45)
+    # In float64 the same clip is representable, and holds.
+    (total, *_) = agg.clipped_masked_sum(
+        [1e6 * g.astype(np.float64) for g in _grads(3)], l2_norm_clip=1.0,
+        linf_norm_clip=1e-45)
+    assert total.dtype == tf.float64
+    assert 0 < np.abs(total.numpy()).max() <= 3e-45
+
+
 def test_numpy_float64_clips_are_python_floats():
     grads = _grads(4, scale=4.0)
     want = agg.clipped_masked_sum(grads, l2_norm_clip=1.0, linf_norm_clip=0.2)

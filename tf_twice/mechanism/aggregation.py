@@ -299,12 +299,12 @@ def add_block_noise_and_normalize(
                     f'noise must have one tensor per sum ({len(sums)}), got '
                     f'{len(block_noise)}' + (f' in block {j}.'
                                              if num_blocks > 1 else '.'))
-            std = zs[j] * clips[j]
             if noise_on_this_replica is not None:
                 block_noise = [
                     tf.where(noise_on_this_replica, e, tf.zeros_like(e))
                     for e in block_noise]
-            sums = [s + tf.cast(std, s.dtype) * tf.cast(e, s.dtype)
+            sums = [s + kernels.constant_toward(zs[j] * clips[j], s.dtype,
+                                                up=True) * tf.cast(e, s.dtype)
                     for s, e in zip(sums, block_noise)]
         out.append([s / tf.cast(denom, s.dtype) for s in sums])
     return out

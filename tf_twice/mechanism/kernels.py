@@ -17,6 +17,7 @@ import math
 import re
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 # Public TensorFlow has no test for "inside an XLA-compiled function".
 from tensorflow.python.ops import control_flow_util
@@ -30,7 +31,9 @@ from tf_twice.mechanism.randomness import TensorLike
 __all__ = [
     'accumulation_dtype',
     'check_weights',
+    'clip_constant',
     'clip_scale',
+    'constant_toward',
     'drop_non_finite',
     'squared_norms',
     'sum_block',
@@ -114,12 +117,49 @@ def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
     return tf.add_n(squares)
 
 
+def constant_toward(value: float, dtype: Any, *, up: bool) -> tf.Tensor:
+    """``value`` in ``dtype``, rounded up or down rather than to nearest.
+
+    The accountant assumes the exact clips and noise stds; rounded to
+    nearest, float32 moves a value by up to 2**-24 of itself (0.1 becomes
+    0.10000000149), float16 by 2**-11, and a subnormal one by far more
+    (1e-45 becomes 1.4e-45 in float32). Clips are rounded down and noise
+    stds up, so the step is never less private than accounted.
+    """
+    return tf.constant(_round_toward(value, dtype, up), dtype)
+
+
+def _round_toward(value: float, dtype: Any, up: bool) -> np.ndarray:
+    with np.errstate(over='ignore'):  # Past the dtype's range: inf, then max.
+        rounded = np.array(value, tf.as_dtype(dtype).as_numpy_dtype)
+    if (float(rounded) < value) if up else (float(rounded) > value):
+        rounded = np.nextafter(rounded, np.array(np.inf if up else -np.inf,
+                                                 rounded.dtype))
+    return rounded
+
+
+def clip_constant(name: str, clip: float, dtype: Any) -> tf.Tensor:
+    """A clip in ``dtype``, rounded down (``constant_toward``): the
+    l-infinity clip then bounds every coordinate exactly.
+
+    Raises:
+      ValueError: the clip rounds to 0 in ``dtype``.
+    """
+    rounded = _round_toward(clip, dtype, up=False)
+    if float(rounded) <= 0:
+        raise ValueError(
+            f'{name}={clip} rounds to 0 in {tf.as_dtype(dtype).name}, the '
+            'dtype the gradients are clipped in; use a clip of at least '
+            f'{np.finfo(rounded.dtype).tiny:g}.')
+    return tf.constant(rounded, dtype)
+
+
 def clip_scale(sq_norm: tf.Tensor, finite: tf.Tensor,
                 l2_norm_clip: float) -> tf.Tensor:
     """Per-example l2 clip factors of one block: min(1, c2 / ||g_i||) where
     ``finite``, 0 elsewhere."""
     norm = tf.sqrt(tf.where(finite, sq_norm, tf.zeros_like(sq_norm)))
-    c2 = tf.constant(l2_norm_clip, sq_norm.dtype)
+    c2 = clip_constant('l2_norm_clip', l2_norm_clip, sq_norm.dtype)
     return tf.where(finite, c2 / tf.maximum(norm, c2), tf.zeros_like(norm))
 
 
@@ -165,7 +205,7 @@ def _contributions(
     per-row coefficient (masking commutes with a per-row scale).
     """
     if linf_norm_clip is not None:
-        c_inf = tf.constant(linf_norm_clip, x.dtype)
+        c_inf = clip_constant('linf_norm_clip', linf_norm_clip, x.dtype)
         x = tf.clip_by_value(x * _per_row(scale, x), -c_inf, c_inf)
     if mask is None and mask_words is not None:
         mask = randomness.masks_from_words(mask_words, x.shape[1:],
