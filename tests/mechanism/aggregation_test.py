@@ -1,5 +1,6 @@
 """Tests of the clip-mask-noise-normalise aggregation."""
 
+import fractions
 import math
 
 import numpy as np
@@ -182,16 +183,19 @@ def test_a_clip_is_rounded_down_to_the_dtype(jit_compile):
     assert np.all(np.abs(each) <= 0.1) and np.all(np.abs(each) > 0.0999999)
 
 
-@pytest.mark.parametrize('dtype, std', [(tf.float32, 0.7),
-                                        (tf.float16, 0.1)])
-def test_a_noise_std_is_rounded_up_to_the_dtype(dtype, std):
-    # 0.7 rounds down in float32 (0.69999999) and 0.1 in float16 (0.09998):
-    # rounded to nearest, the step added less noise than accounted.
+@pytest.mark.parametrize('dtype, z, c2', [(tf.float32, 1.0, 0.7),
+                                           (tf.float16, 1.0, 0.1),
+                                           (tf.float64, 1.78, 0.87)])
+def test_a_noise_std_is_rounded_up_to_the_dtype(dtype, z, c2):
+    # 0.7 rounds down in float32 (0.69999999) and 0.1 in float16 (0.09998),
+    # and the float64 product 1.78 * 0.87 rounds below the exact one: to
+    # nearest, the step added less noise than accounted.
     (update,) = agg.add_noise_and_normalize(
-        [tf.zeros([3], dtype)], l2_norm_clip=std, noise_multiplier=1.0,
+        [tf.zeros([3], dtype)], l2_norm_clip=c2, noise_multiplier=z,
         expected_batch_size=1.0, noise=[tf.ones([3], dtype)])
-    got = update.numpy().astype(np.float64)
-    assert np.all(got >= std) and np.all(got < std * (1 + 2e-3))
+    std = fractions.Fraction(z) * fractions.Fraction(c2)
+    for got in update.numpy():
+        assert std <= fractions.Fraction(float(got)) < std * (1 + 2e-3)
 
 
 def test_an_linf_clip_that_rounds_to_0_is_refused():

@@ -50,6 +50,7 @@ tensor that is a batch of outer products (a dense kernel's per-example
 gradients) is read from its factors (``outer_products``), the same numbers.
 """
 
+from fractions import Fraction
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
@@ -303,9 +304,9 @@ def add_block_noise_and_normalize(
                 block_noise = [
                     tf.where(noise_on_this_replica, e, tf.zeros_like(e))
                     for e in block_noise]
-            sums = [s + kernels.constant_toward(zs[j] * clips[j], s.dtype,
-                                                up=True) * tf.cast(e, s.dtype)
-                    for s, e in zip(sums, block_noise)]
+            std = Fraction(float(zs[j])) * Fraction(float(clips[j]))
+            sums = [s + kernels.constant_toward(std, s.dtype, up=True)
+                    * tf.cast(e, s.dtype) for s, e in zip(sums, block_noise)]
         out.append([s / tf.cast(denom, s.dtype) for s in sums])
     return out
 

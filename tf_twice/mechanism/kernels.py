@@ -15,6 +15,7 @@ how a logical batch is split into microbatches.
 
 import math
 import re
+from fractions import Fraction
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -117,24 +118,36 @@ def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
     return tf.add_n(squares)
 
 
-def constant_toward(value: float, dtype: Any, *, up: bool) -> tf.Tensor:
+def constant_toward(value: Union[float, Fraction], dtype: Any, *,
+                    up: bool) -> tf.Tensor:
     """``value`` in ``dtype``, rounded up or down rather than to nearest.
 
     The accountant assumes the exact clips and noise stds; rounded to
     nearest, float32 moves a value by up to 2**-24 of itself (0.1 becomes
     0.10000000149), float16 by 2**-11, and a subnormal one by far more
     (1e-45 becomes 1.4e-45 in float32). Clips are rounded down and noise
-    stds up, so the step is never less private than accounted.
+    stds up, so the step is never less private than accounted. ``value``
+    may be an exact ``Fraction`` (a product such as z * c2, which a float
+    product would first round to nearest).
     """
     return tf.constant(_round_toward(value, dtype, up), dtype)
 
 
-def _round_toward(value: float, dtype: Any, up: bool) -> np.ndarray:
-    with np.errstate(over='ignore'):  # Past the dtype's range: inf, then max.
-        rounded = np.array(value, tf.as_dtype(dtype).as_numpy_dtype)
-    if (float(rounded) < value) if up else (float(rounded) > value):
-        rounded = np.nextafter(rounded, np.array(np.inf if up else -np.inf,
-                                                 rounded.dtype))
+def _round_toward(value: Union[float, Fraction], dtype: Any,
+                  up: bool) -> np.ndarray:
+    exact = (value if isinstance(value, (int, Fraction))
+             else Fraction(float(value)))
+    # Past the dtype's range the nearest value is inf; one step back is max.
+    with np.errstate(over='ignore'):
+        rounded = np.array(float(exact), tf.as_dtype(dtype).as_numpy_dtype)
+        if np.isfinite(rounded):
+            got = Fraction(float(rounded))
+            wrong_side = got < exact if up else got > exact
+        else:
+            wrong_side = rounded < 0 if up else rounded > 0
+        if wrong_side:
+            rounded = np.nextafter(
+                rounded, np.array(np.inf if up else -np.inf, rounded.dtype))
     return rounded
 
 
@@ -147,10 +160,12 @@ def clip_constant(name: str, clip: float, dtype: Any) -> tf.Tensor:
     """
     rounded = _round_toward(clip, dtype, up=False)
     if float(rounded) <= 0:
+        smallest = np.nextafter(np.zeros((), rounded.dtype),
+                                np.ones((), rounded.dtype))
         raise ValueError(
             f'{name}={clip} rounds to 0 in {tf.as_dtype(dtype).name}, the '
-            'dtype the gradients are clipped in; use a clip of at least '
-            f'{np.finfo(rounded.dtype).tiny:g}.')
+            'dtype the gradients are clipped in, whose smallest positive '
+            f'value is {float(smallest):g}.')
     return tf.constant(rounded, dtype)
 
 
