@@ -48,3 +48,41 @@ def test_each_coordinate_reads_its_own_bits(q2, shape, jit_compile):
     assert masks.shape == (4,) + shape
     want = _reference_masks(words.numpy(), d, q2)
     np.testing.assert_array_equal(np.reshape(masks, (4, d)), want)
+
+
+@pytest.mark.parametrize('dtype', [tf.float32, tf.float64])
+def test_noise_reaches_past_tensorflows_normal_sampler(dtype):
+    # tf.random's normal draws stop at sqrt(-2 ln 1e-7) = 5.68 (Box-Muller
+    # with its uniform clamped at 1e-7); the accountant integrates the whole
+    # Gaussian tail. Here the smallest uniform gives the largest radius,
+    # sqrt(2 ln 2**53) = 8.57, and the largest a radius near 0, both finite.
+    extreme = randomness.box_muller(tf.constant(
+        [[0.0, 1.0 - 2.0**-52], [0.0, 0.25]], tf.float64), dtype).numpy()
+    assert extreme.dtype == dtype.as_numpy_dtype
+    np.testing.assert_allclose(extreme[0], math.sqrt(2 * 53 * math.log(2)),
+                               rtol=1e-6)
+    assert np.all(np.isfinite(extreme)) and np.all(np.abs(extreme[1:]) < 1e-3)
+
+
+@pytest.mark.parametrize('dtype', [tf.float32, tf.float64, tf.float16])
+def test_noise_is_standard_normal(dtype):
+    # 400,001 draws (odd: the last Box-Muller pair is cut) in two tensors.
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(5))
+    draws = randomness.standard_normal_noise(key, [(200000,), (401, 499)],
+                                             [dtype, dtype])
+    assert [d.dtype for d in draws] == [dtype, dtype]
+    assert draws[1].shape == (401, 499)
+    values = np.concatenate([d.numpy().astype(np.float64).ravel()
+                             for d in draws])
+    n = values.size
+    assert abs(values.mean()) < 5 / math.sqrt(n)
+    assert abs(values.std() - 1) < 5 / math.sqrt(2 * n)
+    # Probabilities of the half-lines beyond 0, 1 and 2: P(N > t).
+    for t, tail in [(0, 0.5), (1, 0.15865525), (2, 0.02275013)]:
+        for side in (values, -values):
+            share = np.mean(side > t)
+            assert abs(share - tail) < 5 * math.sqrt(tail * (1 - tail) / n)
+    # The two tensors' streams are independent.
+    first, second = (d.numpy().astype(np.float64).ravel()[:200000]
+                     for d in draws)
+    assert abs(np.corrcoef(first, second)[0, 1]) < 5 / math.sqrt(200000)

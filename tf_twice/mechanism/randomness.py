@@ -36,6 +36,7 @@ from tf_twice.config import mask_bits_per_coordinate
 from tf_twice.config import MAX_BLOCKS
 
 __all__ = [
+    'box_muller',
     'check_block_index',
     'coordinate_masks',
     'draw_step_key',
@@ -216,14 +217,44 @@ def standard_normal_noise(
 
     Tensor v of block ``block`` uses its own Philox stream, distinct from
     every other tensor's and block's noise and masks under the same key.
+
+    Box-Muller on float64 uniforms (k + 1/2) 2**-52, k < 2**52, so that
+    draws reach sqrt(2 ln 2**53) = 8.57 standard deviations. TensorFlow's
+    own normal sampler (the same transform with its uniform clamped at
+    1e-7) stops at 5.68, while the accountant integrates the whole Gaussian
+    tail: one example's shift Delta of a sum leaves the other dataset's
+    support with a probability of about phi(T) ||Delta||_1 / sigma per step
+    that nothing charges, phi(5.68) = 4.0e-8 against phi(8.57) = 4.4e-17
+    (||Delta||_1 / sigma reaches sqrt(d) / z).
     """
     block = check_block_index(block, len(shapes))
-    return [
-        tf.raw_ops.StatelessRandomNormalV2(
-            shape=[int(s) for s in shape],
+    noise = []
+    for v, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        shape = [int(s) for s in shape]
+        size = math.prod(shape)
+        half = (size + 1) // 2
+        uniform = tf.raw_ops.StatelessRandomUniformV2(
+            shape=[2, half],
             key=key,
             counter=_counter(0, noise_stream(block, v)),
             alg=_PHILOX_ALG,
-            dtype=dtype)
-        for v, (shape, dtype) in enumerate(zip(shapes, dtypes))
-    ]
+            dtype=tf.float64)  # k 2**-52, k < 2**52.
+        pairs = box_muller(uniform, tf.float64 if tf.as_dtype(dtype)
+                           == tf.float64 else tf.float32)
+        noise.append(tf.cast(tf.reshape(pairs[:size], shape), dtype))
+    return noise
+
+
+def box_muller(uniform: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """[2, n] float64 uniforms k 2**-52 in [0, 1) -> 2n N(0, 1) draws.
+
+    Shifted by 2**-53 (exact in float64), the uniforms are never 0; then
+    the transform runs in ``dtype``. In float32 a uniform keeps its
+    relative precision down to 2**-53, so the radius sqrt(-2 ln u) is
+    finite and reaches sqrt(2 ln 2**53) = 8.57 there too, at about a
+    third of float64's cost on CPU.
+    """
+    uniform = tf.cast(uniform + 2.0**-53, dtype)
+    radius = tf.sqrt(-2.0 * tf.math.log(uniform[0]))
+    angle = (2.0 * math.pi) * uniform[1]
+    return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)

@@ -1,0 +1,93 @@
+"""The cost of one step's Gaussian noise, against a batch's summed gradient.
+
+A DP step draws one N(0, 1) number per trainable coordinate, once per logical
+batch. tf_twice draws them by Box-Muller in float64 on uniforms that reach
+8.57 standard deviations (``randomness.standard_normal_noise``), where
+TensorFlow's own sampler stops at 5.68. For the benchmarked model (the
+reference CNN, or ResNet22 with ``--model resnet22``; CPU), times:
+
+  * ``summed gradient``: one batched backward pass of the summed loss of a
+    batch of ``--batch-size`` examples (random data), what non-private
+    training computes per step;
+  * ``noise (tf_twice)``: ``standard_normal_noise`` for every trainable
+    variable, float32;
+  * ``noise (tf.random)``: TensorFlow's normal sampler for the same shapes.
+
+Timings are paired (``paired_rounds``) in CPU time. Usage:
+
+  python benchmarks/noise_benchmark.py [--model resnet22] [--batch-size 256]
+      [--rounds 9]
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tf_twice import models
+from tf_twice.mechanism import randomness
+
+import paired_rounds  # Beside this script.
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--model', choices=['small_cnn', 'resnet22'],
+                        default='small_cnn')
+    parser.add_argument('--batch-size', type=int, default=256)
+    parser.add_argument('--rounds', type=int, default=9)
+    parser.add_argument('--calls', type=int, default=5)
+    args = parser.parse_args()
+    model = models.build_model(args.model, input_shape=(32, 32, 3),
+                               num_classes=10)
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(args.batch_size, 32, 32, 3)),
+                    tf.float32)
+    y = tf.constant(rng.integers(0, 10, args.batch_size), tf.int32)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    shapes = [v.shape for v in model.trainable_variables]
+    # A new key per call, as in training (constant inputs would let
+    # TensorFlow fold a stateless sampler into a constant).
+    generator = tf.random.Generator.from_seed(0)
+
+    @tf.function
+    def summed():
+        with tf.GradientTape() as tape:
+            total = loss(y, model(x, training=True))
+        return tape.gradient(total, model.trainable_variables)
+
+    @tf.function
+    def noise_tf_twice():
+        key = randomness.draw_step_key(generator)
+        return randomness.standard_normal_noise(key, shapes,
+                                                [tf.float32] * len(shapes))
+
+    @tf.function
+    def noise_tf_random():
+        key = randomness.draw_step_key(generator)
+        return [tf.raw_ops.StatelessRandomNormalV2(
+            shape=shape, key=key, counter=[0, v], alg=1, dtype=tf.float32)
+                for v, shape in enumerate(shapes)]
+
+    fns = {'summed gradient': summed, 'noise (tf_twice)': noise_tf_twice,
+           'noise (tf.random)': noise_tf_random}
+    synced = {name: (lambda fn=fn: tf.nest.map_structure(
+        lambda t: t.numpy(), fn())) for name, fn in fns.items()}
+    for call in synced.values():  # Traced before any timing.
+        call()
+    seconds = paired_rounds.time_rounds(
+        synced, rounds=args.rounds, calls=args.calls, clock=time.process_time)
+    print(f'{args.model}, {model.count_params()} parameters, batch of '
+          f'{args.batch_size}, TensorFlow {tf.__version__}; CPU ms per call '
+          'and ratio to the summed gradient (paired, median of '
+          f'{args.rounds} rounds)')
+    for name in fns:
+        ratio = paired_rounds.median_ratio(seconds, name, 'summed gradient')
+        print(f'  {name:20s} {statistics.median(seconds[name]) * 1e3:8.2f} ms'
+              f'  {ratio:6.3f}x')
+
+
+if __name__ == '__main__':
+    main()
