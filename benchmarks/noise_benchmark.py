@@ -20,16 +20,13 @@ Timings are paired (``paired_rounds``) in CPU time. Usage:
 """
 
 import argparse
-import statistics
-import time
 
-import numpy as np
 import tensorflow as tf
 
-from tf_twice import models
 from tf_twice.mechanism import randomness
 
 import paired_rounds  # Beside this script.
+import reference_inputs  # Beside this script.
 
 
 def main() -> None:
@@ -40,12 +37,9 @@ def main() -> None:
     parser.add_argument('--rounds', type=int, default=9)
     parser.add_argument('--calls', type=int, default=5)
     args = parser.parse_args()
-    model = models.build_model(args.model, input_shape=(32, 32, 3),
-                               num_classes=10)
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(args.batch_size, 32, 32, 3)),
-                    tf.float32)
-    y = tf.constant(rng.integers(0, 10, args.batch_size), tf.int32)
+    model = reference_inputs.build_model(args.model)
+    x, y = (tf.constant(a) for a in
+            reference_inputs.random_examples(args.batch_size))
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     shapes = [v.shape for v in model.trainable_variables]
     # A new key per call, as in training (constant inputs would let
@@ -73,21 +67,13 @@ def main() -> None:
 
     fns = {'summed gradient': summed, 'noise (tf_twice)': noise_tf_twice,
            'noise (tf.random)': noise_tf_random}
-    synced = {name: (lambda fn=fn: tf.nest.map_structure(
-        lambda t: t.numpy(), fn())) for name, fn in fns.items()}
-    for call in synced.values():  # Traced before any timing.
-        call()
-    seconds = paired_rounds.time_rounds(
-        synced, rounds=args.rounds, calls=args.calls, clock=time.process_time)
-    print(f'{args.model}, {model.count_params()} parameters, batch of '
-          f'{args.batch_size}, TensorFlow {tf.__version__}; CPU ms per call '
-          'and ratio to the summed gradient (paired, median of '
-          f'{args.rounds} rounds)')
-    for name in fns:
-        ratio = paired_rounds.median_ratio(seconds, name, 'summed gradient')
-        print(f'  {name:20s} {statistics.median(seconds[name]) * 1e3:8.2f} ms'
-              f'  {ratio:6.3f}x')
-
+    paired_rounds.print_against_baseline(
+        fns, baseline='summed gradient', rounds=args.rounds, calls=args.calls,
+        digits=3,
+        heading=(f'{args.model}, {model.count_params()} parameters, batch of '
+                 f'{args.batch_size}, TensorFlow {tf.__version__}; CPU ms per '
+                 'call and ratio to the summed gradient (paired, median of '
+                 f'{args.rounds} rounds)'))
 
 if __name__ == '__main__':
     main()

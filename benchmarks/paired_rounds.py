@@ -6,7 +6,10 @@ ratio is then the median over rounds of the ratio within a round.
 """
 
 import statistics
+import time
 from typing import Callable, Dict, List
+
+import tensorflow as tf
 
 
 def time_rounds(fns: Dict[str, Callable[[], object]], *, rounds: int,
@@ -29,3 +32,24 @@ def median_ratio(seconds: Dict[str, List[float]], name: str,
     """The median over rounds of name's time over baseline's."""
     return statistics.median(
         s / b for s, b in zip(seconds[name], seconds[baseline]))
+
+
+def print_against_baseline(fns: Dict[str, Callable[[], object]], *,
+                           baseline: str, heading: str, rounds: int,
+                           calls: int, digits: int = 2) -> None:
+    """Times TensorFlow functions in paired rounds of CPU time and prints
+    ``heading``, then each one's median ms per call and median ratio to
+    ``baseline``. Each call waits for its results (``.numpy()``); each
+    function is called once first, so that tracing is not timed."""
+    synced = {name: (lambda fn=fn: tf.nest.map_structure(
+        lambda t: t.numpy(), fn())) for name, fn in fns.items()}
+    for call in synced.values():
+        call()
+    seconds = time_rounds(synced, rounds=rounds, calls=calls,
+                          clock=time.process_time)
+    print(heading)
+    width = max(len(name) for name in fns)
+    for name in fns:
+        ratio = median_ratio(seconds, name, baseline)
+        print(f'  {name:{width}s} {statistics.median(seconds[name]) * 1e3:8.2f}'
+              f' ms  {ratio:{digits + 4}.{digits}f}x')

@@ -30,8 +30,6 @@ gradient within a round. Usage:
 """
 
 import argparse
-import statistics
-import time
 from unittest import mock
 
 import numpy as np
@@ -107,20 +105,12 @@ def main() -> None:
     for a, b in zip(fast, stock):  # The same gradients, both ways.
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4,
                                    atol=1e-5)
-    synced = {name: (lambda fn=fn: tf.nest.map_structure(
-        lambda t: t.numpy(), fn())) for name, fn in fns.items()}
-    for call in synced.values():  # Traced before any timing.
-        call()
-    seconds = paired_rounds.time_rounds(
-        synced, rounds=args.rounds, calls=args.calls, clock=time.process_time)
-    print(f'{args.model}, {model.count_params()} parameters, chunk of '
-          f'{size} examples, TensorFlow {tf.__version__}; CPU ms per call '
-          'and ratio to the summed gradient (paired, median of '
-          f'{args.rounds} rounds)')
-    for name in fns:
-        ratio = paired_rounds.median_ratio(seconds, name, 'summed gradient')
-        print(f'  {name:32s} {statistics.median(seconds[name]) * 1e3:8.2f} ms'
-              f'  {ratio:5.2f}x')
+    paired_rounds.print_against_baseline(
+        fns, baseline='summed gradient', rounds=args.rounds, calls=args.calls,
+        heading=(f'{args.model}, {model.count_params()} parameters, chunk of '
+                 f'{size} examples, TensorFlow {tf.__version__}; CPU ms per '
+                 'call and ratio to the summed gradient (paired, median of '
+                 f'{args.rounds} rounds)'))
 
 
 if __name__ == '__main__':
