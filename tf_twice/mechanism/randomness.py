@@ -251,8 +251,8 @@ def box_muller(uniform: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     Shifted by 2**-53 (exact in float64), the uniforms are never 0; then
     the transform runs in ``dtype``. In float32 a uniform keeps its
     relative precision down to 2**-53, so the radius sqrt(-2 ln u) is
-    finite and reaches sqrt(2 ln 2**53) = 8.57 there too, at about a
-    third of float64's cost on CPU.
+    finite and reaches sqrt(2 ln 2**53) = 8.57 there too, at about half
+    of float64's cost on CPU.
     """
     uniform = tf.cast(uniform + 2.0**-53, dtype)
     radius = tf.sqrt(-2.0 * tf.math.log(uniform[0]))
