@@ -101,12 +101,12 @@ def noiseless_mixed_float16_update(replicas, path):
         return noiseless_update(replicas, path)
 
 
-def float16_variables(replicas, path):
-    """'trained', or the error of a step on float16 variables."""
+def _trained_or_refused(replicas, path, inner_fn):
+    """'trained', or the ValueError of a noisy step of ``inner_fn()``."""
     x, y = tiny_models.data(11, seed=3)
     try:
-        with tiny_models.dtype_policy('float16'), _strategy(replicas).scope():
-            dp = _build(path, 1.0, tiny_models.mlp)
+        with _strategy(replicas).scope():
+            dp = _build(path, 1.0, inner_fn)
             dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1,
                    verbose=0)
         return 'trained'
@@ -114,27 +114,16 @@ def float16_variables(replicas, path):
         return str(e)
 
 
-def _half_float16_mlp():
-    """tiny_models.mlp with its second layer's variables in float16."""
-    tf.keras.utils.set_random_seed(0)
-    return tf.keras.Sequential([
-        tf.keras.layers.Dense(5, activation='tanh',
-                              input_shape=(tiny_models.NUM_FEATURES,)),
-        tf.keras.layers.Dense(tiny_models.NUM_CLASSES, dtype='float16'),
-    ])
+def float16_variables(replicas, path):
+    """'trained', or the error of a step on float16 variables."""
+    with tiny_models.dtype_policy('float16'):
+        return _trained_or_refused(replicas, path, tiny_models.mlp)
 
 
 def one_float16_layer(replicas, path):
     """'trained', or the error of a step where one layer is float16."""
-    x, y = tiny_models.data(11, seed=3)
-    try:
-        with _strategy(replicas).scope():
-            dp = _build(path, 1.0, _half_float16_mlp)
-            dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1,
-                   verbose=0)
-        return 'trained'
-    except ValueError as e:
-        return str(e)
+    return _trained_or_refused(
+        replicas, path, lambda: tiny_models.mlp(dtypes=(None, 'float16')))
 
 
 def _conv_model():
