@@ -10,7 +10,8 @@ reference CNN, or ResNet22 with ``--model resnet22``; CPU), times:
     batch of ``--batch-size`` examples (random data), what non-private
     training computes per step;
   * ``noise (tf_twice)``: ``standard_normal_noise`` for every trainable
-    variable, float32;
+    variable, in float64 as training draws it (the noise goes onto the
+    float64 sum of a logical batch, ``kernels.BATCH_SUM_DTYPE``);
   * ``noise (tf.random)``: TensorFlow's normal sampler for the same shapes.
 
 Timings are paired (``paired_rounds``) in CPU time. Usage:
@@ -23,6 +24,7 @@ import argparse
 
 import tensorflow as tf
 
+from tf_twice.mechanism import kernels
 from tf_twice.mechanism import randomness
 
 import paired_rounds  # Beside this script.
@@ -55,8 +57,8 @@ def main() -> None:
     @tf.function
     def noise_tf_twice():
         key = randomness.draw_step_key(generator)
-        return randomness.standard_normal_noise(key, shapes,
-                                                [tf.float32] * len(shapes))
+        return randomness.standard_normal_noise(
+            key, shapes, [kernels.BATCH_SUM_DTYPE] * len(shapes))
 
     @tf.function
     def noise_tf_random():

@@ -245,10 +245,16 @@ def add_block_noise_and_normalize(
     coordinate_sampling_rate: float = 1.0,
     key: Optional[tf.Tensor] = None,
     noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
-    noise_on_this_replica: Optional[tf.Tensor] = None,
 ) -> List[List[tf.Tensor]]:
     """Steps 5-6 on m blocks: N(0, (z_j c2_j)^2) per coordinate of block j,
-    then division by expected_batch_size * q2.
+    then division by expected_batch_size * q2, in float64.
+
+    The sums are taken to float64 (``kernels.BATCH_SUM_DTYPE``) and the
+    noise is added there: rounding the result to the variables' dtype
+    afterwards is post-processing. Sums added over microbatches should be
+    added in float64 too (``hybrid.zero_block_sums``): a float32
+    accumulator's rounding grows with the sum, and it comes before the
+    noise.
 
     Args:
       block_sums: ``sums[j][k]`` from ``clipped_masked_block_sums``
@@ -262,13 +268,10 @@ def add_block_noise_and_normalize(
         Block j's noise comes from its own streams (``standard_normal_noise
         (..., block=j)``), independent of every other block's.
       noise: optional explicit N(0, 1) draws, ``noise[j][k]`` (for tests).
-      noise_on_this_replica: None (one device), or a boolean tensor that is
-        true on exactly one replica of a distributed step: the others
-        return their normalised sums without noise, so that the replicas'
-        SUM holds the noise once (``PrivateAggregator.finish``).
 
     Returns:
-      ``update[j][k]``: the noisy normalised sums, one per input sum.
+      ``update[j][k]``: the noisy normalised sums, one per input sum, in
+      float64.
     """
     num_blocks = len(block_sums)
     if num_blocks < 1:
@@ -284,7 +287,7 @@ def add_block_noise_and_normalize(
         coordinate_sampling_rate)
     out = []
     for j, sums in enumerate(block_sums):
-        sums = [tf.convert_to_tensor(s) for s in sums]
+        sums = [tf.cast(s, kernels.BATCH_SUM_DTYPE) for s in sums]
         if zs[j] > 0:
             block_noise = None if noise is None else noise[j]
             if block_noise is None:
@@ -300,10 +303,6 @@ def add_block_noise_and_normalize(
                     f'noise must have one tensor per sum ({len(sums)}), got '
                     f'{len(block_noise)}' + (f' in block {j}.'
                                              if num_blocks > 1 else '.'))
-            if noise_on_this_replica is not None:
-                block_noise = [
-                    tf.where(noise_on_this_replica, e, tf.zeros_like(e))
-                    for e in block_noise]
             std = Fraction(float(zs[j])) * Fraction(float(clips[j]))
             sums = [s + kernels.constant_toward(std, s.dtype, up=True)
                     * tf.cast(e, s.dtype) for s, e in zip(sums, block_noise)]

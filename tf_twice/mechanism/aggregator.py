@@ -28,10 +28,12 @@ whether the accountant's epsilon holds:
 * **Distribution**: under a ``tf.distribute`` strategy each replica clips and
   masks its share of the logical batch. The key is drawn ONCE per logical
   batch in cross-replica context and shared, masks are keyed by the global
-  position of an example in the logical batch (``global_offset``), and only
-  replica 0 adds noise; the optimizer's cross-replica SUM of the replicas'
-  updates is then exactly the single-device update, whatever the number of
-  replicas R (noise std is the calibrated one, not sqrt(R) times it).
+  position of an example in the logical batch (``global_offset``), the
+  replicas' float64 sums are added before the noise, and only replica 0
+  returns the update (the others zeros); the optimizer's cross-replica SUM
+  of the replicas' updates is then the single-device update, whatever the
+  number of replicas R (noise std is the calibrated one, not sqrt(R) times
+  it).
 * **The basis** (``BasisVariables``, via ``hybrid.BasisHolder``): public,
   not checkpointed, swapped without retracing. A hybrid mechanism rebuilt
   from a model artifact (``awaiting_basis``) refuses every step until
@@ -58,7 +60,6 @@ from tf_twice import _files as files
 from tf_twice import config as config_lib
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
-from tf_twice.mechanism import kernels
 from tf_twice.mechanism import randomness
 
 __all__ = ['PrivateAggregator', 'StepKeys', 'RANDOM_STATE_FORMAT',
@@ -347,32 +348,6 @@ def global_offset(local_size: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(sizes[:rid])
 
 
-def _refuse_rounding_before_the_sum(variables: Sequence[tf.Variable],
-                                    replicas: int) -> None:
-    """Refuses 16-bit variables under a strategy of several replicas.
-
-    Each replica's update is rounded to its variables' dtype before the
-    optimizer adds the replicas' updates, and only replica 0's holds the
-    noise. Rounded to 16 bits, a noise-free share of a sum of many clipped
-    gradients can move by about 2**-11 of its size (float16) when one
-    example changes: more than the clip for a share of a few thousand
-    examples. Rounding after the sum would be post-processing; before it,
-    it is not.
-    """
-    low = sorted({tf.as_dtype(v.dtype).name for v in variables
-                  if kernels.accumulation_dtype(v.dtype)
-                  != tf.as_dtype(v.dtype)})
-    if low:
-        raise ValueError(
-            f'trainable variables of dtype {", ".join(low)} under a '
-            f'tf.distribute strategy of {replicas} replicas: each replica\'s '
-            'share of the update would be rounded to 16 bits before the '
-            'shares are summed, so one example could move the released sum '
-            'by more than the clip. Use float32 variables (the '
-            '\'mixed_float16\' and \'mixed_bfloat16\' policies keep them) '
-            'or one replica.')
-
-
 class PrivateAggregator(hybrid.BasisHolder):
     """Clips, masks, sums and noises per-example gradients of logical batches.
 
@@ -548,32 +523,31 @@ class PrivateAggregator(hybrid.BasisHolder):
                                   basis=basis, matrices=matrices,
                                   weights=weights, key=key,
                                   example_offset=example_offset)
-        return [[s + c for s, c in zip(block, chunk_block)]
+        return [[s + tf.cast(c, s.dtype) for s, c in zip(block, chunk_block)]
                 for block, chunk_block in zip(sums, chunk)]
 
     def finish(self, sums: hybrid.BlockSums, key: tf.Tensor,
                variables: Sequence[tf.Variable]) -> List[tf.Tensor]:
         """Noise (once per logical batch) and normalisation: the update.
 
-        Under a multi-replica strategy only replica 0 adds noise; the
-        optimizer's cross-replica SUM of the replicas' updates adds the
-        clipped sums and keeps exactly one copy of the noise. The update
-        has the variables' dtypes.
-
-        Raises:
-          ValueError: 16-bit variables under several replicas
-            (``_refuse_rounding_before_the_sum``).
+        The float64 sums get their float64 noise before anything is
+        rounded: the update, in the variables' dtypes, is post-processing
+        of the noisy sums. Under a multi-replica strategy the replicas'
+        float64 sums are added first (an all-reduce), replica 0 returns the
+        noisy update and the others zeros, so the optimizer's cross-replica
+        SUM of the replicas' updates is exactly replica 0's: one copy of
+        the noise, and no replica's noise-free share rounded before the
+        sum.
         """
         basis, matrices = self._basis_and_matrices(variables)
-        context, replicas = _replica_context()
+        context, _ = _replica_context()
         if context is not None:
-            _refuse_rounding_before_the_sum(variables, replicas)
-        add_noise = (None if context is None else tf.equal(
-            context.replica_id_in_sync_group, 0))
+            sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
         update = hybrid.noisy_update(sums, self._config, basis=basis,
-                                     matrices=matrices, key=key,
-                                     add_noise=add_noise)
-        # 16-bit variables: the float32 sums and noise are rounded to the
-        # variables' dtype only now, after the noise (post-processing).
-        return [tf.cast(u, tf.as_dtype(v.dtype))
-                for u, v in zip(update, variables)]
+                                     matrices=matrices, key=key)
+        update = [tf.cast(u, tf.as_dtype(v.dtype))
+                  for u, v in zip(update, variables)]
+        if context is None:
+            return update
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        return [tf.where(first, u, tf.zeros_like(u)) for u in update]

@@ -430,7 +430,11 @@ class HybridBasis:
                         f'r_gj = {row[j]}; got shape {piece.shape}.')
                 pieces.append(piece)
             a = tf.concat(pieces, axis=-1)
-            out.append(r + _times(a, tf.cast(u, r.dtype), transpose=True))
+            # U a in U's dtype (float32, as U is stored): it has no more
+            # precision than U, and in float64 it would cast U at every step.
+            u = tf.convert_to_tensor(u)
+            principal = _times(tf.cast(a, u.dtype), u, transpose=True)
+            out.append(r + tf.cast(principal, r.dtype))
         return out
 
     def decompose(self, per_variable: Sequence[ArrayLike],

@@ -221,10 +221,10 @@ def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
 def zero_block_sums(variables: Sequence[tf.Variable],
                     basis: Optional[basis_lib.HybridBasis] = None
                     ) -> BlockSums:
-    """Zero accumulators with the layout and dtype ``block_sums`` returns
-    (``kernels.accumulation_dtype`` of the variables' dtypes)."""
-    dtype = (kernels.accumulation_dtype(*(v.dtype for v in variables))
-             if variables else tf.float32)
+    """Zero accumulators with the layout ``block_sums`` returns, in float64
+    (``kernels.BATCH_SUM_DTYPE``): chunks' sums are added to them in
+    float64, and the noise too (``noisy_update``)."""
+    dtype = kernels.BATCH_SUM_DTYPE
     if basis is None:
         return [[tf.zeros(v.shape, dtype) for v in variables]]
     principal = [[tf.zeros([row[j]], dtype) for row in basis.group_ranks]
@@ -277,21 +277,20 @@ def noisy_update(sums: BlockSums,
                  basis: Optional[basis_lib.HybridBasis] = None,
                  matrices: Optional[Sequence[tf.Variable]] = None,
                  key: Optional[tf.Tensor] = None,
-                 noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
-                 add_noise: Optional[tf.Tensor] = None
+                 noise: Optional[Sequence[Sequence[tf.Tensor]]] = None
                  ) -> List[tf.Tensor]:
     """Steps 5-6: per-block noise, normalisation, (U a~ + r~) per variable.
 
     Args:
-      sums: the ``block_sums`` of a whole logical batch.
+      sums: the ``block_sums`` of a whole logical batch, added over its
+        chunks in float64 (``zero_block_sums``).
       config, basis, matrices: as in ``block_sums``.
       key: the step key (block j's noise uses block j's streams).
       noise: optional explicit N(0, 1) draws ``noise[j][k]`` (for tests).
-      add_noise: None, or a boolean tensor true on exactly one replica of a
-        distributed step (``PrivateAggregator.finish``).
 
     Returns:
-      The update, one tensor per trainable variable (in its shape).
+      The update, one float64 tensor per trainable variable (in its
+      shape); rounding it to the variable's dtype is post-processing.
     """
     check_block_params(config, basis)
     noisy = aggregation.add_block_noise_and_normalize(
@@ -301,8 +300,7 @@ def noisy_update(sums: BlockSums,
         expected_batch_size=config.expected_batch_size,
         coordinate_sampling_rate=config.coordinate_sampling_rate,
         key=key,
-        noise=noise,
-        noise_on_this_replica=add_noise)
+        noise=noise)
     if basis is None:
         return noisy[0]
     # Linear post-processing of the released pair.

@@ -30,6 +30,7 @@ from tf_twice.mechanism.outer_products import PerExample
 from tf_twice.mechanism.randomness import TensorLike
 
 __all__ = [
+    'BATCH_SUM_DTYPE',
     'accumulation_dtype',
     'check_weights',
     'clip_constant',
@@ -66,6 +67,18 @@ def accumulation_dtype(*dtypes: Any) -> tf.DType:
     widths = {tf.as_dtype(d): tf.as_dtype(d).size for d in dtypes}
     widest = max(widths, key=widths.get)
     return tf.float32 if widest.size <= 4 else widest
+
+
+# A logical batch's sum over its chunks, and the noise added to it. The
+# accumulator of a float32 sum is rounded to float32 at every chunk added:
+# one example of 65,536 moved the sum by up to 1.001 times the clip, each
+# coordinate by up to 1 % more or less than its own (the rounding grows with
+# the sum). In float64 that rounding is 2**-29 of it, and what is left of
+# float32's is one chunk's own sum (at most a physical batch of rows). The
+# noise is added in float64 too: rounding the noisy sum to the variables'
+# dtype afterwards is post-processing, while rounding it before the noise
+# (as a float32 sum was) is not.
+BATCH_SUM_DTYPE = tf.float64
 
 
 def _in_xla_context() -> bool:
