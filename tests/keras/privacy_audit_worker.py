@@ -4,11 +4,10 @@
 (before TensorFlow initialises its devices, which the test process has
 already done) and prints ``RESULT {json}``:
 
-* ``clipping``: for each optimizer clipping setting, either the refusal
-  of a ledgered ``fit`` under a two-replica MirroredStrategy (Keras 3, which
-  clips each replica's share of the update before the replicas are summed)
-  or, where it trains, the largest difference between the two-replica and
-  the single-device update of the same logical batch and key;
+* ``clipping``: for each optimizer clipping setting, the single-device
+  update of a ledgered ``fit`` and the largest difference between it and
+  the two-replica update (MirroredStrategy) of the same logical batch and
+  key, or the error of a refused run;
 * ``distributed_dataset``: the refusal of a dataset the caller distributed
   itself (each replica would get a batch of its own, not a share of one
   Poisson logical batch).
@@ -74,7 +73,8 @@ def main():
     for clipping in CLIPPING:
         single = _update(tf.distribute.get_strategy(), clipping)
         two = _update(_MIRRORED, clipping)
-        entry = {'clipping': clipping, 'two_replicas': two}
+        entry = {'clipping': clipping, 'two_replicas': two,
+                 'single_update': single['update']}
         if 'update' in two:
             entry['max_difference'] = float(np.max(np.abs(
                 np.subtract(two['update'], single['update']))))

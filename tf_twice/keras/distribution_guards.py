@@ -1,13 +1,14 @@
-"""Guards for tf.distribute: each example summed once, noise added once.
+"""Guards for tf.distribute: each example summed once.
 
 Under a strategy a logical batch is split over the replicas, whose clipped
-masked sums are added, with the noise on one replica only
-(``PrivateAggregator.finish``). Two user settings would break that without
-an error: a multi-worker dataset that every worker reads whole, or with
-different seeds (`check_sharding`), and Keras 3 optimizer clipping that acts
-on one replica's noise-free share before the sum
-(`check_update_is_post_processing`). Both raise ValueError naming the
-setting and the fix. Part of `tf_twice.keras.guards`, which re-exports them.
+masked sums are added before the noise; only replica 0 returns the noisy
+update, the others zeros (``PrivateAggregator.finish``), so what the
+optimizer does per replica (Keras 3 clips each replica's update before the
+sum) acts on the noisy update or on zeros: post-processing. One user
+setting would break the sum without an error: a multi-worker dataset that
+every worker reads whole, or with different seeds (`check_sharding`). It
+raises ValueError naming the setting and the fix. Part of
+`tf_twice.keras.guards`, which re-exports it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from tf_twice import _keras
 from tf_twice import sampling
 
-__all__ = ['check_sharding', 'check_update_is_post_processing']
+__all__ = ['check_sharding']
 
 
 def check_sharding(strategy: tf.distribute.Strategy, x: Any) -> None:
@@ -70,40 +70,3 @@ def _same_on_every_replica(strategy: tf.distribute.Strategy,
 
     gathered = strategy.experimental_local_results(gather())[0].numpy()
     return bool((gathered == gathered[:1]).all())
-
-
-def check_update_is_post_processing(model: Any) -> None:
-    """Refuses optimizer clipping that would act on one replica's share.
-
-    Under a strategy with R > 1 replicas each replica holds its share of
-    the update (only replica 0 holds the noise) and the optimizer's
-    cross-replica SUM is the released noisy update. Keras 3 applies
-    ``clipnorm``, ``clipvalue`` and ``global_clipnorm`` to every replica's
-    share BEFORE that sum (Keras 2 after it), so the update applied would
-    contain the clipped noise-free sums of the other replicas' examples: a
-    function of private data that is not post-processing of the noisy
-    update, which no accountant covers (and not the single-device update).
-
-    Raises:
-      ValueError: naming the setting and the fix.
-    """
-    if not _keras.IS_KERAS_3:
-        return
-    strategy = getattr(model, 'distribute_strategy', None)
-    if strategy is None or strategy.num_replicas_in_sync <= 1:
-        return
-    optimizer = getattr(model, 'optimizer', None)
-    # A LossScaleOptimizer clips with its inner optimizer.
-    for opt in (optimizer, getattr(optimizer, 'inner_optimizer', None)):
-        for name in ('clipnorm', 'clipvalue', 'global_clipnorm'):
-            if getattr(opt, name, None) is not None:
-                raise ValueError(
-                    f'{type(opt).__name__}({name}={getattr(opt, name)!r}) '
-                    f'under {type(strategy).__name__} with '
-                    f'{strategy.num_replicas_in_sync} replicas: Keras 3 clips '
-                    'each replica\'s share of the update before summing the '
-                    'replicas, so the applied update would hold clipped '
-                    'noise-free sums of private examples, which the privacy '
-                    'ledger does not account. Remove the optimizer\'s '
-                    'clipping (DP clipping is per example, in the config), '
-                    'or train on one replica.')

@@ -19,9 +19,7 @@ assumptions the code cannot enforce by itself:
    other event is refused (`check_ledger_event`), as is a config whose
    block dimensions are not the model's (`check_mechanism_fits_variables`);
 6. under a multi-worker strategy every worker takes its own share of the
-   same logical batch, so each example is summed once (`check_sharding`),
-   and under any multi-replica strategy the optimizer acts on the summed
-   noisy update only (`check_update_is_post_processing`).
+   same logical batch, so each example is summed once (`check_sharding`).
 
 Every check raises ValueError naming what is wrong and what to use instead.
 `check_poisson_input` is strict by default: a non-Poisson dataset is refused
@@ -43,8 +41,6 @@ import tensorflow as tf
 from tf_twice import _keras
 from tf_twice import sampling
 from tf_twice.keras.distribution_guards import check_sharding
-from tf_twice.keras.distribution_guards import (
-    check_update_is_post_processing)
 from tf_twice.mechanism import aggregator as aggregator_lib
 
 __all__ = [
@@ -55,7 +51,6 @@ __all__ = [
     'check_per_example_loss',
     'check_poisson_input',
     'check_sharding',
-    'check_update_is_post_processing',
     'is_poisson_input',
 ]
 

@@ -45,12 +45,10 @@ Guarantees:
   `TwiceSamplingConfig`). At the start of every `fit` the ledger refuses a
   model that mixes examples (BatchNormalization, ...) and, for a DP model,
   any event other than the model's own (`guards.check_ledger_event`) or a
-  config whose block dimension is not the model's, and optimizer clipping
-  that would act on one replica's share of the update
-  (`guards.check_update_is_post_processing`); `DPModel.fit` also checks the
-  input is Poisson-sampled from the config's n at its q1. A plain Keras
-  model's steps are counted as the given event, which the caller vouches
-  for.
+  config whose block dimension is not the model's; `DPModel.fit` also
+  checks the input is Poisson-sampled from the config's n at its q1. A
+  plain Keras model's steps are counted as the given event, which the
+  caller vouches for.
 * **Stops where the plan ends.** With `max_steps`, no step runs past that
   total (resumed steps included): training ends exactly where the noise
   was calibrated.
@@ -487,7 +485,6 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         # Refused before any step runs, so nothing is charged for them.
         guards.check_no_example_mixing(self.model)
         guards.check_ledger_event(self.event, self.model)
-        guards.check_update_is_post_processing(self.model)
         step_control.unblock_train_function(self.model)
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
