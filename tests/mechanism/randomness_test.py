@@ -50,14 +50,15 @@ def test_each_coordinate_reads_its_own_bits(q2, shape, jit_compile):
     np.testing.assert_array_equal(np.reshape(masks, (4, d)), want)
 
 
-def test_noise_reaches_past_tensorflows_normal_sampler():
+@pytest.mark.parametrize('dtype', [tf.float32, tf.float64])
+def test_noise_reaches_past_tensorflows_normal_sampler(dtype):
     # tf.random's normal draws stop at sqrt(-2 ln 1e-7) = 5.68 (Box-Muller
     # with its uniform clamped at 1e-7); the accountant integrates the whole
     # Gaussian tail. Here the smallest uniform gives the largest radius,
     # sqrt(2 ln 2**53) = 8.57, and the largest a radius near 0, both finite.
     extreme = randomness.box_muller(tf.constant(
-        [[0.0, 1.0 - 2.0**-52], [0.0, 0.25]], tf.float64)).numpy()
-    assert extreme.dtype == np.float64
+        [[0.0, 1.0 - 2.0**-52], [0.0, 0.25]], tf.float64), dtype).numpy()
+    assert extreme.dtype == dtype.as_numpy_dtype
     np.testing.assert_allclose(extreme[0], math.sqrt(2 * 53 * math.log(2)),
                                rtol=1e-6)
     assert np.all(np.isfinite(extreme)) and np.all(np.abs(extreme[1:]) < 1e-3)
