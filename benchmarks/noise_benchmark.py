@@ -10,8 +10,8 @@ reference CNN, or ResNet22 with ``--model resnet22``; CPU), times:
     batch of ``--batch-size`` examples (random data), what non-private
     training computes per step;
   * ``noise (tf_twice)``: ``standard_normal_noise`` for every trainable
-    variable, in float64 as training draws it (the noise goes onto the
-    float64 sum of a logical batch, ``kernels.BATCH_SUM_DTYPE``);
+    variable, in the dtype training draws it in (float32 for a float32
+    model, ``PrivateAggregator.finish``);
   * ``noise (tf.random)``: TensorFlow's normal sampler for the same shapes.
 
 Timings are paired (``paired_rounds``) in CPU time. Usage:
@@ -44,6 +44,8 @@ def main() -> None:
             reference_inputs.random_examples(args.batch_size))
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     shapes = [v.shape for v in model.trainable_variables]
+    noise_dtype = kernels.accumulation_dtype(
+        *(v.dtype for v in model.trainable_variables))
     # A new key per call, as in training (constant inputs would let
     # TensorFlow fold a stateless sampler into a constant).
     generator = tf.random.Generator.from_seed(0)
@@ -58,7 +60,7 @@ def main() -> None:
     def noise_tf_twice():
         key = randomness.draw_step_key(generator)
         return randomness.standard_normal_noise(
-            key, shapes, [kernels.BATCH_SUM_DTYPE] * len(shapes))
+            key, shapes, [noise_dtype] * len(shapes))
 
     @tf.function
     def noise_tf_random():

@@ -60,6 +60,7 @@ from tf_twice import _files as files
 from tf_twice import config as config_lib
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
+from tf_twice.mechanism import kernels
 from tf_twice.mechanism import randomness
 
 __all__ = ['PrivateAggregator', 'StepKeys', 'RANDOM_STATE_FORMAT',
@@ -543,8 +544,10 @@ class PrivateAggregator(hybrid.BasisHolder):
         context, _ = _replica_context()
         if context is not None:
             sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
-        update = hybrid.noisy_update(sums, self._config, basis=basis,
-                                     matrices=matrices, key=key)
+        update = hybrid.noisy_update(
+            sums, self._config, basis=basis, matrices=matrices, key=key,
+            noise_dtype=kernels.accumulation_dtype(
+                *(v.dtype for v in variables)))
         update = [tf.cast(u, tf.as_dtype(v.dtype))
                   for u, v in zip(update, variables)]
         if context is None:

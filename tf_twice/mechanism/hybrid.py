@@ -277,7 +277,8 @@ def noisy_update(sums: BlockSums,
                  basis: Optional[basis_lib.HybridBasis] = None,
                  matrices: Optional[Sequence[tf.Variable]] = None,
                  key: Optional[tf.Tensor] = None,
-                 noise: Optional[Sequence[Sequence[tf.Tensor]]] = None
+                 noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
+                 noise_dtype: tf.DType = kernels.BATCH_SUM_DTYPE
                  ) -> List[tf.Tensor]:
     """Steps 5-6: per-block noise, normalisation, (U a~ + r~) per variable.
 
@@ -287,6 +288,7 @@ def noisy_update(sums: BlockSums,
       config, basis, matrices: as in ``block_sums``.
       key: the step key (block j's noise uses block j's streams).
       noise: optional explicit N(0, 1) draws ``noise[j][k]`` (for tests).
+      noise_dtype: as in ``aggregation.add_block_noise_and_normalize``.
 
     Returns:
       The update, one float64 tensor per trainable variable (in its
@@ -300,7 +302,8 @@ def noisy_update(sums: BlockSums,
         expected_batch_size=config.expected_batch_size,
         coordinate_sampling_rate=config.coordinate_sampling_rate,
         key=key,
-        noise=noise)
+        noise=noise,
+        noise_dtype=noise_dtype)
     if basis is None:
         return noisy[0]
     # Linear post-processing of the released pair.
