@@ -273,7 +273,8 @@ def add_block_noise_and_normalize(
         (``randomness.standard_normal_noise``) before they are added in
         float64: float64, or float32 where the gradients are float32 or
         16-bit (``PrivateAggregator.finish``), whose update is float32 at
-        most. In float64 the reference CNN's noise cost 2.3x float32's.
+        most. In float64 the reference CNN's noise cost about 2.5 times
+        as much (``benchmarks/noise_benchmark.py``).
 
     Returns:
       ``update[j][k]``: the noisy normalised sums, one per input sum, in

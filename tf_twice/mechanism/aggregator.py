@@ -531,9 +531,10 @@ class PrivateAggregator(hybrid.BasisHolder):
                variables: Sequence[tf.Variable]) -> List[tf.Tensor]:
         """Noise (once per logical batch) and normalisation: the update.
 
-        The float64 sums get their float64 noise before anything is
+        The noise is added to the float64 sums before anything is
         rounded: the update, in the variables' dtypes, is post-processing
-        of the noisy sums. Under a multi-replica strategy the replicas'
+        of the noisy sums. The noise is drawn in the gradients'
+        accumulation dtype (float32 for a float32 model). Under a multi-replica strategy the replicas'
         float64 sums are added first (an all-reduce), replica 0 returns the
         noisy update and the others zeros, so the optimizer's cross-replica
         SUM of the replicas' updates is exactly replica 0's: one copy of

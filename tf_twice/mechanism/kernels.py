@@ -48,8 +48,9 @@ def _num_elements(shape: Sequence[int]) -> int:
 
 def accumulation_dtype(*dtypes: Any) -> tf.DType:
     """The one dtype in which per-example gradients of ``dtypes`` are
-    clipped, masked and summed together: the widest of them, and at least
-    float32.
+    clipped, masked and summed over a chunk together: the widest of them,
+    and at least float32 (chunks' sums are then added in
+    ``BATCH_SUM_DTYPE``).
 
     In float16 or bfloat16, ``scale * g`` rounds after the norm was
     measured (to 2**-11 or 2**-8 of each coordinate): an example's
