@@ -345,7 +345,8 @@ def add_noise_and_normalize(
         scaled by z * c2 here.
 
     Returns:
-      The noisy, normalised update, one tensor per sum.
+      The noisy, normalised update, one float64 tensor per sum (round it to
+      the variables' dtype: post-processing).
     """
     validate_params(
         l2_norm_clip=l2_norm_clip,
