@@ -151,8 +151,9 @@ def test_extreme_record_moves_the_noisy_update_by_at_most_its_clip(
     # Noise on (z = 1, the calibrated kind), masks and the l-infinity clip:
     # the record's own clipped contribution is all it can change; it can
     # neither poison the update (non-finite) nor touch the noise. Under
-    # every dtype policy: 16-bit gradients are clipped and summed in
-    # float32, and only the applied update is rounded to 16-bit variables.
+    # every dtype policy: 16-bit gradients are clipped and summed over a
+    # chunk in float32, chunks are added in float64, and only the applied
+    # update is rounded to 16-bit variables.
     with tiny_models.dtype_policy(policy):
         dp = _dp_model(loss=tf.keras.losses.MeanSquaredError(
             reduction=tf.keras.losses.Reduction.NONE),

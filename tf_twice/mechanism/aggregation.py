@@ -14,8 +14,13 @@ quantity is defined in exactly one place. For a logical batch of
 6. divide by expected_batch_size * q2, never by the realised batch size.
 
 Steps 1-4 are ``clipped_masked_sum`` and may run on several physical
-microbatches of one logical batch whose sums are added; steps 5-6 are
-``add_noise_and_normalize`` and run once per logical batch.
+microbatches of one logical batch whose sums are added in float64
+(``hybrid.zero_block_sums``); steps 5-6 are ``add_noise_and_normalize`` and
+run once per logical batch, in float64. A microbatch is summed in its
+gradients' dtype (float32 for float32 and 16-bit gradients), whose rounding
+grows with the rows summed and comes before the noise: call steps 1-4 on
+physical microbatches, not on a whole large batch, and never add their sums
+in float32 (``PrivateAggregator`` does both).
 
 Privacy: one example changes the sum of steps 1-4 by a vector s with
 ||s||_2 <= c2 and ||s||_inf <= c_inf, of which each coordinate is independently
@@ -111,7 +116,8 @@ def clipped_masked_block_sums(
     Returns:
       ``sums[j][k]``: the weighted sum over examples of the clipped masked
       tensor k of block j, of shape ``blocks[j][k].shape[1:]``, in float32
-      for 16-bit input (``kernels.accumulation_dtype``). Every
+      for 16-bit input (``kernels.accumulation_dtype``); add microbatches'
+      sums in float64 (module docstring). Every
       example's contribution to block j has l2 norm <= c2_j and every
       coordinate in [-c_inf_j, c_inf_j]; its masks are independent of every
       other block's (disjoint Philox streams, see the module docstring).
