@@ -64,6 +64,35 @@ def test_noise_reaches_past_tensorflows_normal_sampler(dtype):
     assert np.all(np.isfinite(extreme)) and np.all(np.abs(extreme[1:]) < 1e-3)
 
 
+@pytest.mark.parametrize('dtype', [tf.float32, tf.float64])
+def test_largest_uniforms_give_the_float64_radius_not_zero(dtype):
+    # A u within 2**-25 of 1 rounded to 1.0 in float32: ln(1) = 0, so both
+    # draws of the pair were exactly 0 (2**-25 per pair, the two
+    # coordinates of the update released without noise), and the next
+    # float32 below 1 gave a radius of 3.45e-4, so no pair had a radius in
+    # (0, 3.45e-4). Every radius must be the float64 one, and positive.
+    ks = np.array([2**52 - 1, 2**52 - 2**26, 2**52 - 2**27,
+                   2**52 - 2**28, 2**52 - 2**40], np.float64)
+    uniform = np.stack([ks * 2.0**-52, np.full(ks.size, 0.1)])
+    pairs = randomness.box_muller(tf.constant(uniform, tf.float64),
+                                  dtype).numpy().astype(np.float64)
+    radius = np.hypot(pairs[:ks.size], pairs[ks.size:])
+    u = ks * 2.0**-52 + 2.0**-53
+    want = np.sqrt(-2.0 * np.log1p(-(1.0 - u)))  # 1 - u is exact here.
+    assert (radius > 0).all(), radius
+    np.testing.assert_allclose(radius, want, rtol=1e-5)
+
+
+def test_float32_noise_of_a_fixed_key_has_no_exact_zero():
+    # 2**24 float32 draws of this key held an exactly-zero pair (indices
+    # 2401508 and 2401508 + 2**23), where PrivateAggregator.finish then
+    # released the noise-free sum.
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(1))
+    noise = randomness.standard_normal_noise(key, [[2**24]],
+                                             [tf.float32])[0].numpy()
+    assert np.count_nonzero(noise == 0) == 0
+
+
 @pytest.mark.parametrize('dtype', [tf.float32, tf.float64, tf.float16])
 def test_noise_is_standard_normal(dtype):
     # 400,001 draws (odd: the last Box-Muller pair is cut) in two tensors.

@@ -254,9 +254,16 @@ def box_muller(uniform: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     the transform runs in ``dtype``. In float32 a uniform keeps its
     relative precision down to 2**-53, so the radius sqrt(-2 ln u) is
     finite and reaches sqrt(2 ln 2**53) = 8.57 there too, at about half
-    of float64's cost on CPU.
+    of float64's cost on CPU. Near 1 it does not: a u within 2**-25 of 1
+    rounds to 1.0 in float32, ln u = 0, and both draws of the pair are
+    exactly 0 (2**-25 per pair: the two coordinates released without
+    noise). So ln u of u >= 1/2 is log1p(-(1 - u)), 1 - u taken exactly in
+    float64 before the cast.
     """
-    uniform = tf.cast(uniform + 2.0**-53, dtype)
-    radius = tf.sqrt(-2.0 * tf.math.log(uniform[0]))
-    angle = (2.0 * math.pi) * uniform[1]
+    uniform = uniform + 2.0**-53
+    u = uniform[0]
+    log_u = tf.where(u < 0.5, tf.math.log(tf.cast(u, dtype)),
+                     tf.math.log1p(-tf.cast(1.0 - u, dtype)))
+    radius = tf.sqrt(-2.0 * log_u)
+    angle = (2.0 * math.pi) * tf.cast(uniform[1], dtype)
     return tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)
