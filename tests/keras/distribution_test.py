@@ -72,7 +72,8 @@ def results():
 
 
 @pytest.mark.parametrize('task', [
-    'noiseless', 'noiseless_mixed_float16', 'noiseless_float16'])
+    'noiseless', 'noiseless_mixed_float16', 'noiseless_float16',
+    'noiseless_one_row'])
 @pytest.mark.parametrize('path', PATHS)
 def test_update_does_not_depend_on_the_number_of_replicas(results, path,
                                                           task):
@@ -87,6 +88,21 @@ def test_update_does_not_depend_on_the_number_of_replicas(results, path,
         np.testing.assert_allclose(
             results[replicas][task][path], single, rtol=1e-5,
             atol=1e-6, err_msg=f'R={replicas}')
+
+
+@pytest.mark.parametrize('path', PATHS)
+def test_only_replica_0_returns_a_nonzero_update(results, path):
+    # Replica 0 returns the noisy update, every other replica exactly
+    # zeros. A replica returning its own noise-free share (replica 0
+    # holding the rest and the noise) gives the same sum, which the update
+    # comparisons alone do not see, but an optimizer that transforms each
+    # replica's update before the sum (Keras 3's clipping) would.
+    assert results['0']['per_replica'][path][0] > 1e-3
+    for replicas in ('1', '2', '4'):
+        got = results[replicas]['per_replica'][path]
+        assert len(got) == int(replicas), (replicas, got)
+        assert got[0] > 1e-3, (replicas, got)
+        assert got[1:] == [0.0] * (int(replicas) - 1), (replicas, got)
 
 
 @pytest.mark.parametrize('path', PATHS)

@@ -34,6 +34,7 @@ from tf_twice import optimizers  # noqa: E402
 from tf_twice import sampling  # noqa: E402
 from tf_twice.config import TwiceSamplingConfig  # noqa: E402
 from tf_twice.keras import BasisRefresh, DPModel, PrivacyLedger  # noqa: E402
+from tf_twice.mechanism import aggregator as aggregator_lib  # noqa: E402
 
 NUM_EXAMPLES = 24
 # The optimizer path needs the tf_privacy-based DP optimizer classes.
@@ -106,6 +107,52 @@ def noiseless_float16_update(replicas, path):
     to which only replica 0's update, the whole sum's, is rounded."""
     with tiny_models.dtype_policy('float16'):
         return noiseless_update(replicas, path)
+
+
+def per_replica_updates(replicas, path):
+    """The largest |update| each replica's ``PrivateAggregator.finish``
+    returns in one noisy step (index: replica id): replica 0 the noisy
+    update, every other replica exactly zeros."""
+    seen = {}
+    finish = aggregator_lib.PrivateAggregator.finish
+
+    def spy(self, sums, key, variables):
+        update = finish(self, sums, key, variables)
+        context = tf.distribute.get_replica_context()
+        rid = (tf.constant(0) if context is None
+               else context.replica_id_in_sync_group)
+        largest = tf.reduce_max(tf.stack(
+            [tf.reduce_max(tf.abs(tf.cast(u, tf.float64))) for u in update]))
+
+        def record(r, m):
+            seen[int(r)] = float(m)
+            return np.int64(0)
+        done = tf.numpy_function(record, [rid, largest], tf.int64)
+        with tf.control_dependencies([done]):
+            return [tf.identity(u) for u in update]
+
+    aggregator_lib.PrivateAggregator.finish = spy
+    try:
+        x, y = tiny_models.data(11, seed=3)
+        with _strategy(replicas).scope():
+            dp = _build(path, 1.0, tiny_models.mlp)
+            dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
+    finally:
+        aggregator_lib.PrivateAggregator.finish = finish
+    return [seen[r] for r in sorted(seen)]
+
+
+def noiseless_one_row_update(replicas, path):
+    """``noiseless_update`` of a one-row logical batch: every replica but
+    the first holds an empty share."""
+    x, y = tiny_models.data(11, seed=3)
+    with _strategy(replicas).scope():
+        dp = _build(path, 0.0, tiny_models.mlp)
+        before = [w.numpy() for w in dp.trainable_variables]
+        dp.fit(tf.data.Dataset.from_tensors((x[:1], y[:1])), epochs=1,
+               verbose=0)
+        return np.concatenate([(w.numpy() - b).ravel() for w, b in
+                               zip(dp.trainable_variables, before)]).tolist()
 
 
 def _conv_model():
@@ -274,6 +321,8 @@ def main():
                              ('noiseless_conv', noiseless_conv_update),
                              ('weights_reload', weights_reload),
                              ('noiseless_float16', noiseless_float16_update),
+                             ('noiseless_one_row', noiseless_one_row_update),
+                             ('per_replica', per_replica_updates),
                              ('noise', noise_std_and_ledger))}
         for replicas in sys.argv[1].split(',')}
     for replicas in sys.argv[1].split(','):
