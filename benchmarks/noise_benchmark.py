@@ -24,7 +24,7 @@ import argparse
 
 import tensorflow as tf
 
-from tf_twice.mechanism import kernels
+from tf_twice.mechanism import precision
 from tf_twice.mechanism import randomness
 
 import paired_rounds  # Beside this script.
@@ -44,7 +44,7 @@ def main() -> None:
             reference_inputs.random_examples(args.batch_size))
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     shapes = [v.shape for v in model.trainable_variables]
-    noise_dtype = kernels.accumulation_dtype(
+    noise_dtype = precision.accumulation_dtype(
         *(v.dtype for v in model.trainable_variables))
     # A new key per call, as in training (constant inputs would let
     # TensorFlow fold a stateless sampler into a constant).

@@ -136,8 +136,8 @@ def test_mixed_float16_applies_the_update_unscaled(dp_optimizer):
 def test_float16_variables_train_on_float32_sums():
     # Under the 'float16' policy the variables and per-example gradients
     # are float16; each chunk is clipped and summed in float32
-    # (kernels.accumulation_dtype), the chunks' sums are added and noised
-    # in float64 (kernels.BATCH_SUM_DTYPE), and the update is rounded to
+    # (precision.accumulation_dtype), the chunks' sums are added and noised
+    # in float64 (precision.BATCH_SUM_DTYPE), and the update is rounded to
     # float16 only when applied.
     x, y = _data(8)
     with tiny_models.dtype_policy('float16'):

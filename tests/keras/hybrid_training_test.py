@@ -76,7 +76,7 @@ def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
 def test_a_float64_layer_among_float32_ones_trains_as_if_all_were_float64(
         with_basis):
     # An example's norm spans both layers, so the step clips, masks, sums
-    # and draws noise in float64 (kernels.accumulation_dtype) and each
+    # and draws noise in float64 (precision.accumulation_dtype) and each
     # variable keeps its dtype. Only the float32 layer's own arithmetic differs from
     # an all-float64 model with the same weights (so the same seeded keys).
     basis, config = (_basis(), HYBRID) if with_basis else (None, SINGLE)

@@ -634,7 +634,7 @@ def test_block_sums_use_each_blocks_own_streams():
         [[tf.zeros(s) for s in SHAPES]] * 2, l2_norm_clips=[1.0, 1.0],
         noise_multipliers=[1.0, 1.0], expected_batch_size=1.0, key=key)
     for j in range(2):
-        # Float64 noise on the float64 sums (``kernels.BATCH_SUM_DTYPE``).
+        # Float64 noise on the float64 sums (``precision.BATCH_SUM_DTYPE``).
         want = randomness.standard_normal_noise(key, SHAPES, [tf.float64] * 3,
                                                 block=j)
         for a, b in zip(noisy[j], want):

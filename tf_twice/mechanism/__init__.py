@@ -3,9 +3,10 @@
 TensorFlow ops on tensors: nothing here builds Keras objects or computes
 privacy. ``randomness`` holds the step keys and the Philox stream layout of
 masks and noise; ``aggregation`` is the one clip-mask-noise-normalise
-aggregation (one block or several), built on the per-tensor ``kernels`` and
-the argument checks of ``arguments``; ``hybrid`` runs it on hybrid-clipping
-blocks of a ``HybridBasis`` (``basis``; its structure and tensor layouts in
+aggregation (one block or several), built on the per-tensor ``kernels``, the
+argument checks of ``arguments`` and the dtype and rounding rules of
+``precision``; ``hybrid`` runs it on hybrid-clipping blocks of a
+``HybridBasis`` (``basis``; its structure and tensor layouts in
 ``basis_layout``, its file format in ``basis_io``);
 ``aggregator.PrivateAggregator`` runs one logical batch for every training
 path, on one device or several, and owns the secret step keys.

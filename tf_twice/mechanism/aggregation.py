@@ -65,6 +65,7 @@ import tensorflow as tf
 from tf_twice.config import effective_coordinate_sampling_rate
 from tf_twice.mechanism import kernels
 from tf_twice.mechanism import outer_products
+from tf_twice.mechanism import precision
 from tf_twice.mechanism import randomness
 from tf_twice.mechanism.arguments import check_blocks
 from tf_twice.mechanism.arguments import per_block
@@ -116,7 +117,7 @@ def clipped_masked_block_sums(
     Returns:
       ``sums[j][k]``: the weighted sum over examples of the clipped masked
       tensor k of block j, of shape ``blocks[j][k].shape[1:]``, in float32
-      for 16-bit input (``kernels.accumulation_dtype``); add microbatches'
+      for 16-bit input (``precision.accumulation_dtype``); add microbatches'
       sums in float64 (module docstring). Every
       example's contribution to block j has l2 norm <= c2_j and every
       coordinate in [-c_inf_j, c_inf_j]; its masks are independent of every
@@ -132,7 +133,7 @@ def clipped_masked_block_sums(
     linf = per_block('linf_norm_clips', linf_norm_clips, num_blocks)
     validate_each_block(l2_norm_clip=clips, linf_norm_clip=linf)
     validate_params(coordinate_sampling_rate=coordinate_sampling_rate)
-    dtype = kernels.accumulation_dtype(
+    dtype = precision.accumulation_dtype(
         *(g.dtype for block in blocks for g in block))
     blocks = [[tf.cast(g, dtype) for g in block] for block in blocks]
     if masks is not None:
@@ -205,7 +206,7 @@ def clipped_masked_sum(
 
     Returns:
       One tensor of shape var_shape per variable, in float32 for 16-bit
-      gradients (``kernels.accumulation_dtype``). For every example, its
+      gradients (``precision.accumulation_dtype``). For every example, its
       contribution has l2 norm <= c2 and every coordinate in [-c_inf, c_inf].
 
     Non-finite gradients: an example whose squared gradient norm is not finite
@@ -251,12 +252,12 @@ def add_block_noise_and_normalize(
     coordinate_sampling_rate: float = 1.0,
     key: Optional[tf.Tensor] = None,
     noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
-    noise_dtype: tf.DType = kernels.BATCH_SUM_DTYPE,
+    noise_dtype: tf.DType = precision.BATCH_SUM_DTYPE,
 ) -> List[List[tf.Tensor]]:
     """Steps 5-6 on m blocks: N(0, (z_j c2_j)^2) per coordinate of block j,
     then division by expected_batch_size * q2, in float64.
 
-    The sums are taken to float64 (``kernels.BATCH_SUM_DTYPE``) and the
+    The sums are taken to float64 (``precision.BATCH_SUM_DTYPE``) and the
     noise is added there: rounding the result to the variables' dtype
     afterwards is post-processing. Sums added over microbatches should be
     added in float64 too (``hybrid.zero_block_sums``): a float32
@@ -300,7 +301,7 @@ def add_block_noise_and_normalize(
         coordinate_sampling_rate)
     out = []
     for j, sums in enumerate(block_sums):
-        sums = [tf.cast(s, kernels.BATCH_SUM_DTYPE) for s in sums]
+        sums = [tf.cast(s, precision.BATCH_SUM_DTYPE) for s in sums]
         if zs[j] > 0:
             block_noise = None if noise is None else noise[j]
             if block_noise is None:
@@ -317,7 +318,7 @@ def add_block_noise_and_normalize(
                     f'{len(block_noise)}' + (f' in block {j}.'
                                              if num_blocks > 1 else '.'))
             std = Fraction(float(zs[j])) * Fraction(float(clips[j]))
-            sums = [s + kernels.constant_toward(std, s.dtype, up=True)
+            sums = [s + precision.constant_toward(std, s.dtype, up=True)
                     * tf.cast(e, s.dtype) for s, e in zip(sums, block_noise)]
         out.append([s / tf.cast(denom, s.dtype) for s in sums])
     return out

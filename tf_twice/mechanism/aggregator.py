@@ -60,7 +60,7 @@ from tf_twice import _files as files
 from tf_twice import config as config_lib
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
-from tf_twice.mechanism import kernels
+from tf_twice.mechanism import precision
 from tf_twice.mechanism import randomness
 
 __all__ = ['PrivateAggregator', 'StepKeys', 'RANDOM_STATE_FORMAT',
@@ -547,7 +547,7 @@ class PrivateAggregator(hybrid.BasisHolder):
             sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
         update = hybrid.noisy_update(
             sums, self._config, basis=basis, matrices=matrices, key=key,
-            noise_dtype=kernels.accumulation_dtype(
+            noise_dtype=precision.accumulation_dtype(
                 *(v.dtype for v in variables)))
         update = [tf.cast(u, tf.as_dtype(v.dtype))
                   for u, v in zip(update, variables)]

@@ -40,7 +40,7 @@ import tensorflow as tf
 from tf_twice import config as config_lib
 from tf_twice.mechanism import aggregation
 from tf_twice.mechanism import basis as basis_lib
-from tf_twice.mechanism import kernels
+from tf_twice.mechanism import precision
 
 __all__ = [
     'BasisVariables',
@@ -211,7 +211,7 @@ def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
     # A group may join variables of different dtypes (a float64 layer next
     # to float32 ones), and a 16-bit projection would round the basis: the
     # blocks are formed in the dtype they are clipped and summed in.
-    dtype = kernels.accumulation_dtype(*(g.dtype for g in grads))
+    dtype = precision.accumulation_dtype(*(g.dtype for g in grads))
     grads = [tf.cast(g, dtype) for g in grads]
     projection = basis.project(basis.flatten(grads), matrices)
     return ([list(c) for c in projection.coefficients]
@@ -222,9 +222,9 @@ def zero_block_sums(variables: Sequence[tf.Variable],
                     basis: Optional[basis_lib.HybridBasis] = None
                     ) -> BlockSums:
     """Zero accumulators with the layout ``block_sums`` returns, in float64
-    (``kernels.BATCH_SUM_DTYPE``): chunks' sums are added to them in
+    (``precision.BATCH_SUM_DTYPE``): chunks' sums are added to them in
     float64, and the noise too (``noisy_update``)."""
-    dtype = kernels.BATCH_SUM_DTYPE
+    dtype = precision.BATCH_SUM_DTYPE
     if basis is None:
         return [[tf.zeros(v.shape, dtype) for v in variables]]
     principal = [[tf.zeros([row[j]], dtype) for row in basis.group_ranks]
@@ -278,7 +278,7 @@ def noisy_update(sums: BlockSums,
                  matrices: Optional[Sequence[tf.Variable]] = None,
                  key: Optional[tf.Tensor] = None,
                  noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
-                 noise_dtype: tf.DType = kernels.BATCH_SUM_DTYPE
+                 noise_dtype: tf.DType = precision.BATCH_SUM_DTYPE
                  ) -> List[tf.Tensor]:
     """Steps 5-6: per-block noise, normalisation, (U a~ + r~) per variable.
 

@@ -15,27 +15,22 @@ how a logical batch is split into microbatches.
 
 import math
 import re
-from fractions import Fraction
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import tensorflow as tf
 # Public TensorFlow has no test for "inside an XLA-compiled function".
 from tensorflow.python.ops import control_flow_util
 
 from tf_twice.mechanism import outer_products
+from tf_twice.mechanism import precision
 from tf_twice.mechanism import randomness
 from tf_twice.mechanism.outer_products import OuterProducts
 from tf_twice.mechanism.outer_products import PerExample
 from tf_twice.mechanism.randomness import TensorLike
 
 __all__ = [
-    'BATCH_SUM_DTYPE',
-    'accumulation_dtype',
     'check_weights',
-    'clip_constant',
     'clip_scale',
-    'constant_toward',
     'drop_non_finite',
     'squared_norms',
     'sum_block',
@@ -44,42 +39,6 @@ __all__ = [
 
 def _num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(int(s) for s in shape))
-
-
-def accumulation_dtype(*dtypes: Any) -> tf.DType:
-    """The one dtype in which per-example gradients of ``dtypes`` are
-    clipped, masked and summed over a chunk together: the widest of them,
-    and at least float32 (chunks' sums are then added in
-    ``BATCH_SUM_DTYPE``).
-
-    In float16 or bfloat16, ``scale * g`` rounds after the norm was
-    measured (to 2**-11 or 2**-8 of each coordinate): an example's
-    contribution reached 1.0012 (float16) and 1.0058 (bfloat16) times the
-    clip, and exceeded the l-infinity clip. A sum over a batch could also
-    overflow float16's range of 65,504. Norms are float32 too, so a
-    float16 gradient whose squared norm overflows float16 but not float32
-    is clipped, not dropped. Rounding the noisy update back to the
-    variables' dtype afterwards is post-processing. One dtype for all
-    tensors: an example's norm adds up squares over every tensor of a block,
-    and a block may span variables of float64 and float32.
-    """
-    if not dtypes:
-        raise ValueError('accumulation_dtype needs at least one dtype.')
-    widths = {tf.as_dtype(d): tf.as_dtype(d).size for d in dtypes}
-    widest = max(widths, key=widths.get)
-    return tf.float32 if widest.size <= 4 else widest
-
-
-# A logical batch's sum over its chunks, and the noise added to it. The
-# accumulator of a float32 sum is rounded to float32 at every chunk added:
-# one example of 65,536 moved the sum by up to 1.001 times the clip, each
-# coordinate by up to 1 % more or less than its own (the rounding grows with
-# the sum). In float64 that rounding is 2**-29 of it, and what is left of
-# float32's is one chunk's own sum (at most a physical batch of rows). The
-# noise is added in float64 too: rounding the noisy sum to the variables'
-# dtype afterwards is post-processing, while rounding it before the noise
-# (as a float32 sum was) is not.
-BATCH_SUM_DTYPE = tf.float64
 
 
 def _in_xla_context() -> bool:
@@ -132,63 +91,12 @@ def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
     return tf.add_n(squares)
 
 
-def constant_toward(value: Union[float, Fraction], dtype: Any, *,
-                    up: bool) -> tf.Tensor:
-    """``value`` in ``dtype``, rounded up or down rather than to nearest.
-
-    The accountant assumes the exact clips and noise stds; rounded to
-    nearest, float32 moves a value by up to 2**-24 of itself (0.1 becomes
-    0.10000000149), float16 by 2**-11, and a subnormal one by far more
-    (1e-45 becomes 1.4e-45 in float32). Clips are rounded down and noise
-    stds up, so the step is never less private than accounted. ``value``
-    may be an exact ``Fraction`` (a product such as z * c2, which a float
-    product would first round to nearest).
-    """
-    return tf.constant(_round_toward(value, dtype, up), dtype)
-
-
-def _round_toward(value: Union[float, Fraction], dtype: Any,
-                  up: bool) -> np.ndarray:
-    exact = (value if isinstance(value, (int, Fraction))
-             else Fraction(float(value)))
-    # Past the dtype's range the nearest value is inf; one step back is max.
-    with np.errstate(over='ignore'):
-        rounded = np.array(float(exact), tf.as_dtype(dtype).as_numpy_dtype)
-        if np.isfinite(rounded):
-            got = Fraction(float(rounded))
-            wrong_side = got < exact if up else got > exact
-        else:
-            wrong_side = rounded < 0 if up else rounded > 0
-        if wrong_side:
-            rounded = np.nextafter(
-                rounded, np.array(np.inf if up else -np.inf, rounded.dtype))
-    return rounded
-
-
-def clip_constant(name: str, clip: float, dtype: Any) -> tf.Tensor:
-    """A clip in ``dtype``, rounded down (``constant_toward``): the
-    l-infinity clip then bounds every coordinate exactly.
-
-    Raises:
-      ValueError: the clip rounds to 0 in ``dtype``.
-    """
-    rounded = _round_toward(clip, dtype, up=False)
-    if float(rounded) <= 0:
-        smallest = np.nextafter(np.zeros((), rounded.dtype),
-                                np.ones((), rounded.dtype))
-        raise ValueError(
-            f'{name}={clip} rounds to 0 in {tf.as_dtype(dtype).name}, the '
-            'dtype the gradients are clipped in, whose smallest positive '
-            f'value is {float(smallest):g}.')
-    return tf.constant(rounded, dtype)
-
-
 def clip_scale(sq_norm: tf.Tensor, finite: tf.Tensor,
                 l2_norm_clip: float) -> tf.Tensor:
     """Per-example l2 clip factors of one block: min(1, c2 / ||g_i||) where
     ``finite``, 0 elsewhere."""
     norm = tf.sqrt(tf.where(finite, sq_norm, tf.zeros_like(sq_norm)))
-    c2 = clip_constant('l2_norm_clip', l2_norm_clip, sq_norm.dtype)
+    c2 = precision.clip_constant('l2_norm_clip', l2_norm_clip, sq_norm.dtype)
     return tf.where(finite, c2 / tf.maximum(norm, c2), tf.zeros_like(norm))
 
 
@@ -234,7 +142,8 @@ def _contributions(
     per-row coefficient (masking commutes with a per-row scale).
     """
     if linf_norm_clip is not None:
-        c_inf = clip_constant('linf_norm_clip', linf_norm_clip, x.dtype)
+        c_inf = precision.clip_constant('linf_norm_clip', linf_norm_clip,
+                                        x.dtype)
         x = tf.clip_by_value(x * _per_row(scale, x), -c_inf, c_inf)
     if mask is None and mask_words is not None:
         mask = randomness.masks_from_words(mask_words, x.shape[1:],

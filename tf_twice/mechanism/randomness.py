@@ -34,6 +34,7 @@ from tf_twice import config as config_lib
 from tf_twice.config import effective_coordinate_sampling_rate
 from tf_twice.config import mask_bits_per_coordinate
 from tf_twice.config import MAX_BLOCKS
+from tf_twice.mechanism import precision
 
 __all__ = [
     'box_muller',
@@ -227,7 +228,8 @@ def standard_normal_noise(
     outputs out of the other dataset's support with a probability of about
     (T / pi) exp(-T**2 / 2) ||Delta||_1 / sigma per step that nothing
     charges, 1.8e-7 at T = 5.68 against 3.0e-16 at 8.57 (||Delta||_1 /
-    sigma reaches sqrt(d) / z).
+    sigma reaches sqrt(d) / z). The transform runs in the tensor's
+    ``precision.accumulation_dtype`` (float64 for float64, else float32).
     """
     block = check_block_index(block, len(shapes))
     noise = []
@@ -241,8 +243,7 @@ def standard_normal_noise(
             counter=_counter(0, noise_stream(block, v)),
             alg=_PHILOX_ALG,
             dtype=tf.float64)  # k 2**-52, k < 2**52.
-        pairs = box_muller(uniform, tf.float64 if tf.as_dtype(dtype)
-                           == tf.float64 else tf.float32)
+        pairs = box_muller(uniform, precision.accumulation_dtype(dtype))
         noise.append(tf.cast(tf.reshape(pairs[:size], shape), dtype))
     return noise
 
