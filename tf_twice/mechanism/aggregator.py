@@ -534,12 +534,12 @@ class PrivateAggregator(hybrid.BasisHolder):
         The noise is added to the float64 sums before anything is
         rounded: the update, in the variables' dtypes, is post-processing
         of the noisy sums. The noise is drawn in the gradients'
-        accumulation dtype (float32 for a float32 model). Under a multi-replica strategy the replicas'
-        float64 sums are added first (an all-reduce), replica 0 returns the
-        noisy update and the others zeros, so the optimizer's cross-replica
-        SUM of the replicas' updates is exactly replica 0's: one copy of
-        the noise, and no replica's noise-free share rounded before the
-        sum.
+        accumulation dtype (float32 for a float32 model). Under a
+        multi-replica strategy the replicas' float64 sums are added first
+        (an all-reduce), replica 0 returns the noisy update and the others
+        zeros, so the optimizer's cross-replica SUM of the replicas'
+        updates is exactly replica 0's: one copy of the noise, and no
+        replica's noise-free share rounded before the sum.
         """
         basis, matrices = self._basis_and_matrices(variables)
         context, _ = _replica_context()
