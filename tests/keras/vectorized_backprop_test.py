@@ -182,6 +182,19 @@ def test_a_conv_over_time_steps_sums_each_examples_steps(monkeypatch,
         np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize('channels', [
+    vectorized_backprop.GROUPED_MAX_CHANNELS,
+    vectorized_backprop.GROUPED_MAX_CHANNELS + 1])
+def test_the_grouped_construction_takes_convs_up_to_its_channel_limit(
+        monkeypatch, channels, construction):
+    # Past the limit the taps run instead (faster there on the CPUs
+    # measured); either way each example's gradients are its own.
+    _check_each_example_alone(
+        monkeypatch, construction,
+        tf.keras.layers.Conv2D(4, 3, padding='same'), (6, 5, channels),
+        grouped=channels <= vectorized_backprop.GROUPED_MAX_CHANNELS)
+
+
 class _ExplicitlyPaddedConv(tf.keras.layers.Layer):
     """A conv whose padding is given row by row (padding='EXPLICIT')."""
 

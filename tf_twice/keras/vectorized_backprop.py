@@ -34,11 +34,15 @@ reference CNN (`benchmarks/conv_per_example_benchmark.py`, per-op traces):
     convolution's; left to it by this simple rule);
   - else, one grouped ``Conv2DBackpropFilter`` with the examples as its
     groups (input [b, h, w, examples * channels]), on a CPU whose kernel
-    takes groups (oneDNN's), for float32 convs of at most 16 input
-    channels padded SAME or VALID (oneDNN's kernel takes no explicit
-    padding), where it took 0.71-0.85x the CPU time of the taps on the
-    reference CNN's and ResNet22's shapes (with 32 and 64 channels
-    1.03-1.42x);
+    takes groups (oneDNN's), for float32 convs of at most
+    `GROUPED_MAX_CHANNELS` input channels padded SAME or VALID (oneDNN's
+    kernel takes no explicit padding), where it took 0.71-0.85x the CPU
+    time of the taps on the reference CNN's and ResNet22's shapes of at
+    most 16 channels; at 32 channels (ResNet22's 16x16 convs) 1.04-1.09x
+    on an AMD EPYC and 0.74x on an Intel Xeon with AVX-512, where a
+    64-example DP chunk of ResNet22 took 0.92x and 0.95x (TensorFlow 2.15,
+    2.21) the CPU time it took with the taps at 32 channels; at 64
+    channels 1.23-1.42x on both;
   - else (and wherever a GPU could run the op, where neither was
     measured), kh * kw batched matrix products, one per tap, of the
     example's padded input shifted by the tap and its output gradient.
@@ -112,9 +116,9 @@ def _static_ints(values: Sequence) -> Optional[List[int]]:
     return None if any(v is None for v in values) else [int(v) for v in values]
 
 
-# Input channels up to which the grouped construction is used (above, the
-# taps were faster; module docstring).
-GROUPED_MAX_CHANNELS = 16
+# Input channels up to which the grouped construction is used (at 64 the
+# taps were faster on both CPUs measured; module docstring).
+GROUPED_MAX_CHANNELS = 32
 # The columns are used for convs of at most this many output positions
 # (before the grouped construction) and of at least this many input channels
 # (instead of the taps); elsewhere the grouped convolution or the taps were
