@@ -50,6 +50,17 @@ def test_each_coordinate_reads_its_own_bits(q2, shape, jit_compile):
     np.testing.assert_array_equal(np.reshape(masks, (4, d)), want)
 
 
+@pytest.mark.parametrize('dtype', [tf.int32, tf.int64, tf.complex64])
+def test_noise_of_a_non_float_dtype_is_refused(dtype):
+    # An int64 or complex64 tensor once picked a transform in its own dtype
+    # (8 bytes wide, like float64): garbage or a TensorFlow error deep in
+    # the sampler; an int32 one got float32 draws truncated to integers.
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(1))
+    with pytest.raises(ValueError, match=f'floating-point dtype.*got '
+                                         f'{dtype.name}'):
+        randomness.standard_normal_noise(key, [[4]], [dtype])
+
+
 @pytest.mark.parametrize('dtype', [tf.float32, tf.float64])
 def test_noise_reaches_past_tensorflows_normal_sampler(dtype):
     # tf.random's normal draws stop at sqrt(-2 ln 1e-7) = 5.68 (Box-Muller

@@ -44,10 +44,20 @@ def accumulation_dtype(*dtypes: Any) -> tf.DType:
     variables' dtype afterwards is post-processing. One dtype for all
     tensors: an example's norm adds up squares over every tensor of a block,
     and a block may span variables of float64 and float32.
+
+    Raises:
+      ValueError: no dtype, or one that is not floating-point.
     """
     if not dtypes:
         raise ValueError('accumulation_dtype needs at least one dtype.')
-    widths = {tf.as_dtype(d): tf.as_dtype(d).size for d in dtypes}
+    dtypes = [tf.as_dtype(d) for d in dtypes]
+    for dtype in dtypes:
+        if not dtype.is_floating:
+            raise ValueError(
+                'gradients, variables and noise must have a floating-point '
+                f'dtype (float16, bfloat16, float32 or float64); got '
+                f'{dtype.name}.')
+    widths = {d: d.size for d in dtypes}
     widest = max(widths, key=widths.get)
     return tf.float32 if widest.size <= 4 else widest
 
