@@ -198,19 +198,22 @@ def test_a_noise_std_is_rounded_up_to_the_dtype(dtype, z, c2):
         assert std <= fractions.Fraction(float(got)) < std * (1 + 2e-3)
 
 
-def test_an_linf_clip_that_rounds_to_0_is_refused():
+@pytest.mark.parametrize('clip', [1e-45, 1e-40])
+def test_an_linf_clip_below_the_smallest_normal_value_is_refused(clip):
     # (l2_norm_clip is validated to [1e-12, 1e30].) Rounded to nearest,
-    # 1e-45 became float32's 1.4e-45, 1.4 times the clip.
-    with pytest.raises(ValueError, match='linf_norm_clip=1e-45 rounds to 0 '
-                                         'in float32'):
+    # 1e-45 became float32's 1.4e-45, 1.4 times the clip; rounded down it
+    # is 0. 1e-40 is a subnormal float32, which CPUs flush to 0.
+    with pytest.raises(ValueError, match=f'linf_norm_clip={clip} is below '
+                                         '1.17549e-38, the smallest normal '
+                                         'float32 value'):
         agg.clipped_masked_sum(_grads(3), l2_norm_clip=1.0,
-                               linf_norm_clip=1e-45)
+                               linf_norm_clip=clip)
     # In float64 the same clip is representable, and holds.
     (total, *_) = agg.clipped_masked_sum(
         [1e6 * g.astype(np.float64) for g in _grads(3)], l2_norm_clip=1.0,
-        linf_norm_clip=1e-45)
+        linf_norm_clip=clip)
     assert total.dtype == tf.float64
-    assert 0 < np.abs(total.numpy()).max() <= 3e-45
+    assert 0 < np.abs(total.numpy()).max() <= 3 * clip
 
 
 def test_numpy_float64_clips_are_python_floats():

@@ -107,20 +107,28 @@ def _round_toward(value: Union[float, Fraction], dtype: Any,
     return rounded
 
 
+# The smallest normal value of each float dtype (2**(1 - bias)). CPUs run
+# TensorFlow with subnormals flushed to 0, so a smaller clip is 0 in the
+# kernels: an l2 clip of 0 gives a zero gradient the factor 0/0 = NaN.
+_SMALLEST_NORMAL = {tf.float16: 2.0**-14, tf.bfloat16: 2.0**-126,
+                    tf.float32: 2.0**-126, tf.float64: 2.0**-1022}
+
+
 def clip_constant(name: str, clip: float, dtype: Any) -> tf.Tensor:
     """A clip in ``dtype``, rounded down (``constant_toward``): the
     l-infinity clip then bounds every coordinate exactly.
 
     Raises:
-      ValueError: the clip rounds to 0 in ``dtype``.
+      ValueError: the clip rounds below the smallest normal value of
+        ``dtype`` (to 0 or to a subnormal value).
     """
     dtype = tf.as_dtype(dtype)
     constant = constant_toward(clip, dtype, up=False)
-    if float(tf.get_static_value(constant)) <= 0:
-        smallest = np.nextafter(np.zeros((), dtype.as_numpy_dtype),
-                                np.ones((), dtype.as_numpy_dtype))
+    smallest = _SMALLEST_NORMAL[dtype]
+    if float(tf.get_static_value(constant)) < smallest:
         raise ValueError(
-            f'{name}={clip} rounds to 0 in {dtype.name}, the dtype the '
-            'gradients are clipped in, whose smallest positive value is '
-            f'{float(smallest):g}.')
+            f'{name}={clip} is below {smallest:g}, the smallest normal '
+            f'{dtype.name} value ({dtype.name} is the dtype the gradients '
+            'are clipped in): a CPU flushes a smaller clip to 0. Give a '
+            f'clip of at least {smallest:g}.')
     return constant
