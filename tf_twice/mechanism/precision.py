@@ -57,8 +57,7 @@ def accumulation_dtype(*dtypes: Any) -> tf.DType:
                 'gradients, variables and noise must have a floating-point '
                 f'dtype (float16, bfloat16, float32 or float64); got '
                 f'{dtype.name}.')
-    widths = {d: d.size for d in dtypes}
-    widest = max(widths, key=widths.get)
+    widest = max(dtypes, key=lambda d: d.size)
     return tf.float32 if widest.size <= 4 else widest
 
 
