@@ -186,6 +186,74 @@ def test_steps_of_an_interrupted_fit_are_charged(tmp_path):
     assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 8
 
 
+class _FreezeFirstLayer(tf.keras.callbacks.Callback):
+    """Sets the wrapped model's first layer untrainable after step ``at``
+    (a fine-tuning schedule)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self._at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations) == self._at:
+            self.model.inner_model.layers[0].trainable = False
+
+
+def test_steps_after_a_layer_is_frozen_during_fit_are_charged(tmp_path):
+    # The traced step keeps training the variables it was traced with, so
+    # its steps are still the config's event: they must be charged and
+    # stopped at max_steps, although the trainable variables no longer
+    # match the config's block dimension.
+    inner = tf.keras.Sequential([
+        tf.keras.layers.Dense(3, input_shape=(4,)), tf.keras.layers.Dense(3)])
+    config = TwiceSamplingConfig(
+        num_examples=64, expected_batch_size=16,
+        coordinate_sampling_rate=0.5,
+        blocks=(Block(l2_norm_clip=1.0, linf_norm_clip=0.5,
+                      noise_multiplier=1.0, dimension=inner.count_params()),))
+    dp = DPModel(inner, config, physical_batch_size=8, seed=0)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse')
+    path = str(tmp_path / 'ledger.json')
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, max_steps=4,
+                                     state_path=path, save_every_steps=1,
+                                     verbose=0)
+    dp.fit(_data(steps=3), epochs=2, verbose=0,
+           callbacks=[_FreezeFirstLayer(1), ledger])
+    assert dp.aggregator.keys.draws == int(dp.steps_taken) == 4
+    assert ledger.steps == 4
+    assert PrivacyLedger(dp.dp_event(), DELTA, state_path=path).steps == 4
+    # More steps are refused before any runs: the event no longer describes
+    # the trainable variables.
+    ledger2_path = str(tmp_path / 'more.json')
+    more = PrivacyLedger(dp.dp_event(), DELTA, state_path=ledger2_path)
+    more.record_steps(4)
+    with pytest.raises(ValueError, match='dimension=27.*12 coordinates'):
+        dp.fit(_data(steps=2, seed=2), callbacks=[more], verbose=0)
+    assert dp.aggregator.keys.draws == 4
+
+
+@markers.needs_tf_privacy_optimizers
+def test_steps_of_another_mechanism_stop_a_fit_the_ledger_watches():
+    # Steps of an event not the ledger's cannot be charged by it: read
+    # outside a fit they are left to their own ledger (a warning), but in a
+    # fit's batch hook they stop the fit instead of letting it run past the
+    # ledger's limits uncharged. (Keras cannot recompile during a fit, so
+    # the hook is called as fit would call it.)
+    dp = _dp_optimizer_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, max_steps=5, verbose=0)
+    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        _config(noise_multiplier=0.5), learning_rate=0.1),
+        loss=tf.keras.losses.MeanSquaredError())
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=1, seed=2):
+        step(batch)
+    with pytest.raises(ValueError, match='during a fit.*training stopped'):
+        ledger.on_train_batch_end(0)
+    assert dp.stop_training
+    assert ledger.steps == 2
+
+
 @markers.needs_tf_privacy_optimizers
 def test_steps_of_a_replaced_dp_optimizer_are_charged():
     # An interrupted fit, then a recompile with another DP optimizer (other

@@ -399,47 +399,56 @@ def check_ledger_event(event: dp_accounting.DpEvent, model: Any) -> None:
 
     A tf_twice ``DPModel`` derives its event from its config
     (``model.dp_event()``), so the ledger's event must be exactly that one
-    (``PrivacyLedger.for_model`` builds it so). A plain Keras model compiled
-    with a tf_twice DP optimizer is refused: Keras gives that optimizer only
-    the loss of a batched forward pass, whose per-example gradients are not
-    isolated (one NaN record turns every record's gradient into NaN). Any
-    other model's steps are counted as ``event``, which the caller vouches
-    for.
+    (``PrivacyLedger.for_model`` builds it so), and its trainable variables
+    must be the ones the event describes (``check_mechanism_fits_variables``)
+    before it runs more steps. A plain Keras model compiled with a tf_twice
+    DP optimizer is refused: Keras gives that optimizer only the loss of a
+    batched forward pass, whose per-example gradients are not isolated (one
+    NaN record turns every record's gradient into NaN). Any other model's
+    steps are counted as ``event``, which the caller vouches for.
 
     Raises:
       ValueError: naming the fix.
     """
+    check_mechanism_fits_variables(model)
+    refusal = _event_refusal(event, model)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def _event_refusal(event: dp_accounting.DpEvent, model: Any) -> Optional[str]:
+    """Why ``model``'s steps are not ``event`` (None: they are)."""
     dp_event = getattr(model, 'dp_event', None)
     if callable(dp_event) and hasattr(model, 'aggregator'):
         if model.aggregator is None:
-            raise ValueError(f'{model.name} {NO_MECHANISM}')
-        check_mechanism_fits_variables(model)
+            return f'{model.name} {NO_MECHANISM}'
         expected = dp_event()
         if event != expected:
-            raise ValueError(
-                f'The ledger accounts {event}, but {model.name} runs '
-                f'{expected}. Build the ledger from the model: '
-                'PrivacyLedger.for_model(model, delta=...).')
-        return
+            return (f'The ledger accounts {event}, but {model.name} runs '
+                    f'{expected}. Build the ledger from the model: '
+                    'PrivacyLedger.for_model(model, delta=...).')
+        return None
     optimizer = getattr(model, 'optimizer', None)
     if getattr(optimizer, 'aggregator', None) is not None:
-        raise ValueError(
-            f'{type(model).__name__} is compiled with the DP optimizer '
-            f'{type(optimizer).__name__}, but Keras gives an optimizer only '
-            'the loss of a batched forward pass, whose per-example '
-            'gradients are not isolated. Wrap the model first: '
-            'model = tf_twice.keras.DPModel(model), then compile that with '
-            'the optimizer.')
+        return (f'{type(model).__name__} is compiled with the DP optimizer '
+                f'{type(optimizer).__name__}, but Keras gives an optimizer '
+                'only the loss of a batched forward pass, whose per-example '
+                'gradients are not isolated. Wrap the model first: '
+                'model = tf_twice.keras.DPModel(model), then compile that '
+                'with the optimizer.')
+    return None
 
 
 def runs_event(model: Any, event: dp_accounting.DpEvent) -> bool:
     """Whether a tf_twice DP ``model``'s steps are now ``event`` (False
-    for a model without a private mechanism)."""
-    try:
-        check_ledger_event(event, model)
-    except ValueError:
-        return False
-    return True
+    for a model without a private mechanism).
+
+    Its trainable variables are not checked: a traced step keeps the
+    variables it was traced with, so steps that ran after a layer was
+    frozen are still the event's (and must be charged as it); running
+    more steps is what ``check_ledger_event`` refuses then.
+    """
+    return _event_refusal(event, model) is None
 
 
 def fit_callbacks(callbacks: Any) -> list:

@@ -440,10 +440,16 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             ledger_binding.bind(self.model, self._budget)
             self._bound_model = self.model
 
-    def _charge_drawn_keys(self) -> bool:
+    def _charge_drawn_keys(self, in_fit: bool = False) -> bool:
         """Charges the steps a tf_twice DP model ran since the last charge
         (`step_control.DrawnStepCounter`); False for a model without step
-        keys."""
+        keys.
+
+        Raises:
+          ValueError: ``in_fit`` (a hook of a `fit` this ledger watches) and
+            the steps ran under another mechanism than this ledger's event:
+            it cannot charge them, so training must not go on.
+        """
         with self._charge_lock:
             executed = self._drawn_steps.new_steps(self.model)
             if executed < 0:
@@ -452,12 +458,19 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                 # E.g. read after a recompile with a new mechanism: not
                 # steps of this ledger's event, so not charged as them; the
                 # weights' own count then refuses this ledger for them.
-                _LOGGER.warning(
-                    'PrivacyLedger: %d step(s) of %s ran under another '
-                    'mechanism than this ledger\'s event; not charged here '
-                    '(the ledger of that mechanism charges them).', executed,
-                    self.model.name)
                 self._bound_model = None
+                message = (
+                    f'PrivacyLedger: {executed} step(s) of {self.model.name} '
+                    'ran under another mechanism than this ledger\'s event; '
+                    'not charged here (the ledger of that mechanism charges '
+                    'them).')
+                if in_fit:
+                    self.model.stop_training = True
+                    raise ValueError(
+                        f'{message} The mechanism changed during a fit this '
+                        'ledger watches, which would leave its steps and '
+                        'limits behind the weights: training stopped.')
+                _LOGGER.warning(message)
                 return True
             self._charge_counted(executed)
             return True
@@ -521,7 +534,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             self._charge_counted(k)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._charge_drawn_keys()
+        self._charge_drawn_keys(in_fit=True)
         k = self._steps_per_execution()
         if not self.can_take(k):
             self._stop(k)
