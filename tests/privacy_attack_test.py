@@ -299,3 +299,25 @@ def test_random_state_of_another_step_is_refused(tmp_path):
     assert int(resumed.optimizer.iterations) == 2
     with pytest.raises(ValueError, match='step'):
         resumed.load_random_state(secret)
+
+
+def test_random_state_of_other_weights_at_the_same_step_count_is_refused(
+        tmp_path):
+    # A recompile with a fresh optimizer restarts its step count while the
+    # weights keep their steps: the state saved after step 1 must not load
+    # into the model after step 3, whose optimizer is again at step 1 (its
+    # next step would reuse the noise of step 2, already in the weights).
+    secret = str(tmp_path / 'random_state.json')
+    x, y = tiny_models.data(4)
+    dp = DPModel(tiny_models.linear(), _config(), physical_batch_size=8,
+                 seed=3)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    tiny_models.one_step(dp, x, y)
+    dp.save_random_state(secret)
+    dp.load_random_state(secret)  # The same weights: accepted.
+    tiny_models.one_step(dp, x, y)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    tiny_models.one_step(dp, x, y)
+    assert int(dp.optimizer.iterations) == 1 and int(dp.steps_taken) == 3
+    with pytest.raises(ValueError, match='with other weights'):
+        dp.load_random_state(secret)

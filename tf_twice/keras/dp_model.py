@@ -30,6 +30,7 @@ and cannot compile the seeded step keys' hashing (the clip-mask-sum kernels
 use XLA on their own).
 """
 
+import hashlib
 import importlib
 import logging
 from typing import Any, Dict, List, Optional
@@ -269,24 +270,38 @@ class DPModel(tf.keras.Model):
         exactly: anyone holding the file can recompute the noise of every
         later step and subtract it from released weights. Keep it apart
         from checkpoints and models, as secret as the training data.
-        The file records the optimizer's step count, so that it only loads
-        into a model at that step.
+        The file records the optimizer's step count and a digest of the
+        weights, so that it only loads into a model at that step with those
+        weights.
         """
-        self._require_aggregator().keys.save(path, step=self._step_count())
+        self._require_aggregator().keys.save(
+            path, step=self._step_count(), weights=self._weights_digest())
 
     def load_random_state(self, path: str) -> None:
         """Continues the step keys from a ``save_random_state`` file.
 
         Raises:
           ValueError: the file was saved at another step count than the
-            model's (``StepKeys.load``).
+            model's, or with other weights (``StepKeys.load``).
         """
-        self._require_aggregator().keys.load(path, step=self._step_count())
+        self._require_aggregator().keys.load(
+            path, step=self._step_count(), weights=self._weights_digest())
 
     def _step_count(self) -> Optional[int]:
         optimizer = getattr(self, 'optimizer', None)
         return None if optimizer is None else int(
             optimizer.iterations.numpy())
+
+    def _weights_digest(self) -> str:
+        """SHA-256 of the wrapped model's weights and the DP steps they
+        hold: a run state continues only the weights it was saved with."""
+        digest = hashlib.sha256()
+        for value in self.inner_model.get_weights() + [
+                self.steps_taken.numpy()]:
+            value = np.ascontiguousarray(value)
+            digest.update(f'{value.dtype.str}{value.shape}'.encode())
+            digest.update(value.tobytes())
+        return digest.hexdigest()
 
     def dp_event(self) -> TwiceSampledGaussianDpEvent:
         """The DpEvent of one ``train_step`` on Poisson batches: derived

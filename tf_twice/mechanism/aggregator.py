@@ -284,42 +284,57 @@ class StepKeys:
         self._generator.state.assign(tf.constant(values, tf.int64))
         self._positioned.assign(True)
 
-    def save(self, path: str, step: Optional[int] = None) -> None:
+    def save(self, path: str, step: Optional[int] = None,
+             weights: Optional[str] = None) -> None:
         """Writes the SECRET run state to ``path`` (atomically, mode 0600).
 
         Anyone holding this file can recompute the masks and noise of every
         later step and subtract them from released weights: keep it as
         secret as the training data, apart from checkpoints and models,
         and delete it when the run is done. ``step`` (the training step the
-        state belongs to) is recorded so that ``load`` can refuse the file
-        at any other step.
+        state belongs to) and ``weights`` (a digest of the weights it
+        belongs to) are recorded so that ``load`` can refuse the file
+        anywhere else.
         """
         state = self.get_state()
         if step is not None:
             state['step'] = int(step)
+        if weights is not None:
+            state['weights'] = str(weights)
         files.atomic_write_json(os.fspath(path), state)
 
-    def load(self, path: str, step: Optional[int] = None) -> None:
+    def load(self, path: str, step: Optional[int] = None,
+             weights: Optional[str] = None) -> None:
         """Continues the stream from a file written by ``save``.
 
         Raises:
-          ValueError: the file was saved at another ``step`` (e.g. an older
-            file beside a newer checkpoint): the next steps would reuse the
-            keys, i.e. the noise, of steps whose updates are already in the
-            weights, and two releases with the same noise reveal their
-            difference.
+          ValueError: the file was saved at another ``step`` or with other
+            ``weights`` (e.g. an older file beside a newer checkpoint, or
+            another run's): the next steps would reuse the keys, i.e. the
+            noise, of steps whose updates are already in released weights,
+            and two releases with the same noise reveal their difference.
         """
         with open(os.fspath(path)) as f:
             state = json.load(f)
-        saved = state.get('step') if isinstance(state, dict) else None
+        if not isinstance(state, dict):
+            state = {}
+        where = None
+        saved = state.get('step')
         if saved is not None and step is not None and int(saved) != int(step):
+            where = f'at step {saved}, but this model is at step {int(step)}'
+        elif (state.get('weights') is not None and weights is not None
+              and state['weights'] != weights):
+            # The same step count is not the same point of a run: a
+            # recompile restarts the optimizer's count, and runs forked from
+            # one checkpoint share it.
+            where = 'with other weights than this model\'s'
+        if where is not None:
             raise ValueError(
-                f'The random state in {os.fspath(path)!r} was saved at step '
-                f'{saved}, but this model is at step {int(step)}: its next '
-                'steps would reuse the noise of steps already in the weights. '
-                'Load the checkpoint saved with that state (load_weights '
-                'first, then load_random_state), or leave the state unloaded '
-                '(fresh OS entropy).')
+                f'The random state in {os.fspath(path)!r} was saved {where}: '
+                'its next steps would reuse the noise of steps already in '
+                'released weights. Load the checkpoint saved with that state '
+                '(load_weights first, then load_random_state), or leave the '
+                'state unloaded (fresh OS entropy).')
         self.set_state(state)
 
 
