@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice import config as config_lib
+from tf_twice.keras import loss_state
 from tf_twice.keras import vectorized_backprop
 
 __all__ = ['ExampleLoss', 'PerExample', 'build', 'check_weights',
@@ -63,7 +64,8 @@ def loss_fn(loss: Any) -> 'ExampleLoss':
     example a NaN loss with zero gradient instead of an error that would
     abort the step, revealing that the record was sampled and listing the
     batch's labels (``ExampleLoss.valid_rows`` gives the metrics the same
-    rows).
+    rows). A loss that writes a variable is refused at its first call,
+    before any step runs (``loss_state``).
     """
     if loss is None:
         raise ValueError('DPModel.compile needs a loss, got loss=None.')
@@ -83,8 +85,13 @@ class ExampleLoss:
         self._sparse = (
             isinstance(loss, tf.keras.losses.SparseCategoricalCrossentropy)
             or loss is tf.keras.losses.sparse_categorical_crossentropy)
-        self._fn = (loss.call if isinstance(loss, tf.keras.losses.Loss)
-                    else loss)
+        if isinstance(loss, tf.keras.losses.Loss):
+            self._fn = loss.call
+            self.name = f'{type(loss).__name__} {loss.name!r}'
+        else:
+            self._fn = loss
+            self.name = getattr(loss, '__name__', type(loss).__name__)
+        self._checked = False
 
     def _valid_labels(self, y_true: tf.Tensor,
                       y_pred: tf.Tensor) -> Optional[tf.Tensor]:
@@ -124,6 +131,10 @@ class ExampleLoss:
             y_true = tf.where(valid, y_true, tf.zeros_like(y_true))
             invalid = tf.logical_not(tf.reduce_all(tf.reshape(
                 valid, [tf.shape(valid)[0], -1]), axis=1))
+        if not self._checked:  # Once: it traces the loss.
+            loss_state.check_no_state_writes(self._fn, self.name, y_true,
+                                             y_pred)
+            self._checked = True
         values = tf.cast(tf.convert_to_tensor(self._fn(y_true, y_pred)),
                          tf.float32)
         if invalid is not None:
