@@ -148,6 +148,34 @@ def test_a_label_out_of_range_contributes_nothing(label, loss):
     np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize('label', [10, -1])
+def test_a_label_out_of_range_does_not_abort_a_compiled_metric(label):
+    # Keras's sparse cross-entropy metric reads the raw labels: it aborted
+    # the step that sampled the record (revealing that it was sampled) on
+    # Keras 2 and 3. The metrics skip that row, as the loss does.
+    x, y = _images(7, (8, 8, 1))
+    dp = _private(models.small_cnn((8, 8, 1), padding='same'), 'model')
+    dp.compile(optimizer=tf.keras.optimizers.SGD(LR),
+               loss=tf.keras.losses.SparseCategoricalCrossentropy(
+                   from_logits=True),
+               metrics=[tf.keras.metrics.SparseCategoricalCrossentropy(
+                   from_logits=True, name='xent')])
+    initial = dp.get_weights()
+    without_bad = np.ones(len(x), np.float32)
+    without_bad[BAD_ROW] = 0.0
+    reference = _update(dp, initial, x, y, without_bad)
+    bad_y = y.copy()
+    bad_y[BAD_ROW] = label
+    got = _update(dp, initial, x, bad_y, np.ones(len(x), np.float32))
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-8)
+    # Evaluation too: the metric is that of the other rows.
+    dp.set_weights(initial)
+    clean = np.arange(len(x)) != BAD_ROW
+    expected = dp.evaluate(x[clean], y[clean], verbose=0, return_dict=True)
+    result = dp.evaluate(x, bad_y, verbose=0, return_dict=True)
+    np.testing.assert_allclose(result['xent'], expected['xent'], rtol=1e-5)
+
+
 def test_a_batched_jacobian_is_not_isolated():
     # Why the optimizer path runs per example: tf_privacy's construction
     # (a Jacobian of the per-example losses of ONE batched forward pass)

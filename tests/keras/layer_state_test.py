@@ -150,3 +150,76 @@ def test_a_statistic_written_into_a_trainable_weight_is_refused_and_undone():
             inner, layer_state.input_spec_of(tiny_models.data(8)[0]))
     for v, b in zip(inner.variables, before):
         np.testing.assert_array_equal(v.numpy(), b)
+
+
+# --- losses (tf_twice.keras.loss_state) -------------------------------------
+
+
+class RunningMaxLoss(tf.keras.losses.Loss):
+    """Keeps the largest loss it has seen and scales later losses by it: one
+    record then changed another step's sum by 38.6x the clip."""
+
+    def __init__(self):
+        super().__init__(reduction='none', name='running_max')
+        self.running = tf.Variable(0.0, trainable=False)
+
+    def call(self, y_true, y_pred):
+        losses = tf.keras.losses.sparse_categorical_crossentropy(
+            y_true, y_pred / (1.0 + self.running), from_logits=True)
+        self.running.assign(tf.maximum(self.running,
+                                       tf.reduce_max(losses)))
+        return losses
+
+
+SEEN = tf.Variable(0.0, trainable=False)
+
+
+def _counts_class_zero(y_true, y_pred):
+    """Writes a global variable, for some labels only (inside a cond)."""
+    tf.cond(tf.reduce_any(tf.equal(y_true, 0)),
+            lambda: SEEN.assign_add(1.0), lambda: SEEN.read_value())
+    return tf.keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True)
+
+
+class FixedTemperatureLoss(tf.keras.losses.Loss):
+    """Reads a variable that nothing writes from the data."""
+
+    def __init__(self):
+        super().__init__(reduction='none', name='fixed_t')
+        self.temperature = tf.Variable(2.0, trainable=False)
+
+    def call(self, y_true, y_pred):
+        return tf.keras.losses.sparse_categorical_crossentropy(
+            y_true, y_pred / self.temperature, from_logits=True)
+
+
+def _dp_with_loss(loss):
+    inner = _model(tf.keras.layers.Dense(tiny_models.NUM_FEATURES))
+    dp = tiny_models.dp_model(inner, expected_batch_size=4.0,
+                              num_examples=16, seed=1)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=loss)
+    return dp, inner
+
+
+@pytest.mark.parametrize('loss, match', [
+    (RunningMaxLoss(), r"RunningMaxLoss 'running_max'.*AssignVariableOp.*"
+                       r"Variable.*PUBLIC"),
+    (_counts_class_zero, r'_counts_class_zero.*AssignAddVariableOp')])
+def test_a_loss_that_writes_a_variable_is_refused_before_any_step(
+        loss, match):
+    dp, inner = _dp_with_loss(loss)
+    before = [v.numpy() for v in inner.variables]
+    x, y = tiny_models.data(8, seed=2)
+    with pytest.raises(ValueError, match=match):
+        dp.fit(tf.data.Dataset.from_tensors((x, y)), verbose=0)
+    assert int(dp.optimizer.iterations.numpy()) == 0
+    for v, b in zip(inner.variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+
+
+def test_a_loss_that_only_reads_a_variable_is_accepted():
+    dp, _ = _dp_with_loss(FixedTemperatureLoss())
+    dp.fit(tf.data.Dataset.from_tensors(tiny_models.data(8, seed=2)),
+           verbose=0)
+    assert int(dp.optimizer.iterations.numpy()) == 1

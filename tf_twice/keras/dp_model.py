@@ -503,12 +503,19 @@ class DPModel(tf.keras.Model):
 
         Keras applies sample weights only to ``weighted_metrics``, so zero-
         weight (padding) rows are removed rather than down-weighted. The loss
-        is the weighted mean of the per-example losses.
+        is the weighted mean of the per-example losses. The compiled metrics
+        also skip rows whose class index is outside the classes (NaN loss,
+        no contribution): they read the raw labels, and a sparse
+        cross-entropy metric would abort the step that sampled such a
+        record, revealing that it was sampled.
         """
         real = weights > 0
         self._example_loss_tracker.update_state(
             tf.boolean_mask(losses, real),
             sample_weight=tf.boolean_mask(weights, real))
+        valid = self._example_loss.valid_rows(y, predictions)
+        if valid is not None:
+            real = tf.logical_and(real, valid)
         y_real = tf.boolean_mask(y, real)
         predictions = tf.nest.map_structure(
             lambda t: tf.boolean_mask(t, real), predictions)

@@ -26,9 +26,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_twice import config as config_lib
+from tf_twice.keras import loss_state
 from tf_twice.keras import vectorized_backprop
 
-__all__ = ['PerExample', 'build', 'check_weights',
+__all__ = ['ExampleLoss', 'PerExample', 'build', 'check_weights',
            'default_physical_batch_size', 'example_weights', 'gradients',
            'chunk_of', 'loss_fn', 'losses']
 
@@ -53,7 +54,7 @@ def _are_class_indices(y_true: tf.Tensor, y_pred: tf.Tensor) -> bool:
                                      and y_true.shape[-1] == 1)
 
 
-def loss_fn(loss: Any) -> LossFn:
+def loss_fn(loss: Any) -> 'ExampleLoss':
     """f(y_true, y_pred) -> per-example losses [B] (float32) for ``loss``.
 
     ``loss``: a Keras ``Loss`` (its unreduced ``call``: the reduction
@@ -62,7 +63,9 @@ def loss_fn(loss: Any) -> LossFn:
     the trailing axes). A class index outside [0, classes) gives that
     example a NaN loss with zero gradient instead of an error that would
     abort the step, revealing that the record was sampled and listing the
-    batch's labels.
+    batch's labels (``ExampleLoss.valid_rows`` gives the metrics the same
+    rows). A loss that writes a variable is refused at its first call,
+    before any step runs (``loss_state``).
     """
     if loss is None:
         raise ValueError('DPModel.compile needs a loss, got loss=None.')
@@ -72,23 +75,68 @@ def loss_fn(loss: Any) -> LossFn:
             f'{type(loss).__name__}.')
     if not isinstance(loss, tf.keras.losses.Loss):
         loss = tf.keras.losses.get(loss)
-    sparse = (isinstance(loss, tf.keras.losses.SparseCategoricalCrossentropy)
-              or loss is tf.keras.losses.sparse_categorical_crossentropy)
-    fn = loss.call if isinstance(loss, tf.keras.losses.Loss) else loss
+    return ExampleLoss(loss)
 
-    def per_example(y_true, y_pred):
+
+class ExampleLoss:
+    """The per-example loss of a Keras loss (see `loss_fn`)."""
+
+    def __init__(self, loss: Any) -> None:
+        self._sparse = (
+            isinstance(loss, tf.keras.losses.SparseCategoricalCrossentropy)
+            or loss is tf.keras.losses.sparse_categorical_crossentropy)
+        if isinstance(loss, tf.keras.losses.Loss):
+            self._fn = loss.call
+            self.name = f'{type(loss).__name__} {loss.name!r}'
+        else:
+            self._fn = loss
+            self.name = getattr(loss, '__name__', type(loss).__name__)
+        self._checked = False
+
+    def _valid_labels(self, y_true: tf.Tensor,
+                      y_pred: tf.Tensor) -> Optional[tf.Tensor]:
+        """Whether each class index lies in [0, classes) (y_true's shape);
+        None when y_true does not hold class indices."""
+        if not ((self._sparse and y_pred.shape[-1] is not None)
+                or _are_class_indices(y_true, y_pred)):
+            return None
+        labels = tf.cast(y_true, tf.int64)
+        return tf.logical_and(labels >= 0, labels < y_pred.shape[-1])
+
+    def valid_rows(self, y_true: Any, y_pred: Any) -> Optional[tf.Tensor]:
+        """[B] bool, False where a row's class index is outside the classes
+        (the rows whose loss is NaN); None when the labels are not class
+        indices or the predictions are a nest.
+
+        A compiled metric must skip those rows: it reads the raw labels,
+        and e.g. a sparse cross-entropy aborts the step on such a label,
+        revealing that the record was sampled.
+        """
+        if tf.nest.is_nested(y_true) or tf.nest.is_nested(y_pred):
+            return None
+        valid = self._valid_labels(tf.convert_to_tensor(y_true),
+                                   tf.convert_to_tensor(y_pred))
+        if valid is None:
+            return None
+        return tf.reduce_all(tf.reshape(valid, [tf.shape(valid)[0], -1]),
+                             axis=1)
+
+    def __call__(self, y_true: tf.Tensor, y_pred: Any) -> tf.Tensor:
         y_pred = tf.convert_to_tensor(y_pred)
         y_true = tf.cast(y_true, y_pred.dtype) if y_true.dtype.is_floating \
             else y_true
+        valid = self._valid_labels(y_true, y_pred)
         invalid = None
-        if (sparse and y_pred.shape[-1] is not None) or _are_class_indices(
-                y_true, y_pred):
-            labels = tf.cast(y_true, tf.int64)
-            valid = tf.logical_and(labels >= 0, labels < y_pred.shape[-1])
+        if valid is not None:
             y_true = tf.where(valid, y_true, tf.zeros_like(y_true))
             invalid = tf.logical_not(tf.reduce_all(tf.reshape(
                 valid, [tf.shape(valid)[0], -1]), axis=1))
-        values = tf.cast(tf.convert_to_tensor(fn(y_true, y_pred)), tf.float32)
+        if not self._checked:  # Once: it traces the loss.
+            loss_state.check_no_state_writes(self._fn, self.name, y_true,
+                                             y_pred)
+            self._checked = True
+        values = tf.cast(tf.convert_to_tensor(self._fn(y_true, y_pred)),
+                         tf.float32)
         if invalid is not None:
             # The constant branch has zero gradient: no contribution.
             values = tf.where(
@@ -98,8 +146,6 @@ def loss_fn(loss: Any) -> LossFn:
             values = tf.reduce_mean(
                 values, axis=list(range(1, values.shape.rank)))
         return values
-
-    return per_example
 
 
 def losses(model: tf.keras.Model, loss: LossFn, y_true: Any,
