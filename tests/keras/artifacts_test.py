@@ -13,13 +13,16 @@ Keras formats are tested on both.
 """
 
 import copy
+import io
 import json
 import os
 import pickle
 import stat
 import subprocess
 import sys
+import zipfile
 
+import h5py
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -179,6 +182,107 @@ def _saved_model_after_fit(dp, x, y, tmp_path):
     path = str(tmp_path / 'saved_model')
     dp.save(path, save_format='tf')
     return path
+
+
+class _BatchSum(tf.keras.layers.Layer):
+    """Identity that adds a metric of its input (Keras 2's ``add_metric``;
+    Keras 3 refuses it)."""
+
+    def call(self, inputs):
+        if markers.KERAS_MAJOR == 2:
+            self.add_metric(tf.reduce_sum(inputs), name='input_sum',
+                            aggregation='mean')
+        return inputs
+
+
+def _saved_variables(path):
+    """Every variable of the artifact(s) at ``path``: {file/name: array}."""
+    saved = {}
+
+    def add_h5(tag, group):
+        group.visititems(lambda name, item: saved.__setitem__(
+            f'{tag}/{name}', np.asarray(item[()]))
+            if isinstance(item, h5py.Dataset) else None)
+
+    paths = [path] if os.path.isfile(path) else [
+        os.path.join(root, name) for root, _, names in os.walk(path)
+        for name in names]
+    for p in paths:
+        if p.endswith('.h5'):
+            with h5py.File(p, 'r') as f:
+                add_h5(p, f)
+        elif p.endswith('.keras'):
+            with zipfile.ZipFile(p) as z, h5py.File(
+                    io.BytesIO(z.read('model.weights.h5')), 'r') as f:
+                add_h5(p, f)
+        elif p.endswith('.index'):
+            reader = tf.train.load_checkpoint(p[:-len('.index')])
+            for name in reader.get_variable_to_shape_map():
+                saved[f'{p}/{name}'] = np.asarray(reader.get_tensor(name))
+    return saved
+
+
+def _trained_with_metrics(callbacks=()):
+    """A DPModel with a compiled metric (and on Keras 2 a layer's), fit
+    for two steps."""
+    x, y = tiny_models.data(12)
+    inner = _mlp()
+    dp = DPModel(tf.keras.Sequential(
+        [tf.keras.Input((tiny_models.NUM_FEATURES,)), _BatchSum()]
+        + inner.layers), CONFIG, physical_batch_size=4)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss(),
+               metrics=['accuracy'])
+    dp.fit(_two_poisson_steps(x, y), epochs=1, verbose=0,
+           callbacks=list(callbacks))
+    return dp
+
+
+def _metric_values(dp):
+    return [variable.numpy() for metric in dp._training_metrics()
+            for variable in metric.variables]
+
+
+def _assert_no_metric_state(saved, loss_total):
+    assert saved
+    for name, value in saved.items():
+        # Keras 2 names them metrics/... (h5) and keras_api/metrics/...
+        # (SavedModel); any other variable must not hold the loss sum.
+        assert 'metric' not in name.lower() or not np.any(value), name
+        assert loss_total not in value.ravel(), name
+
+
+@pytest.mark.parametrize('kind', ARTIFACTS)
+def test_no_artifact_holds_the_training_metrics(tmp_path, kind):
+    # fit's loss and metrics are the private batches' without noise (the
+    # loss tracker holds the exact sum of the sampled examples' losses):
+    # Keras 2 wrote their state into .weights.h5, .keras and SavedModel
+    # files. Saving writes them empty and keeps fit's running values.
+    dp = _trained_with_metrics()
+    running = _metric_values(dp)
+    loss_total = running[0]
+    assert loss_total > 0 and len(running) >= 4
+    _assert_no_metric_state(
+        _saved_variables(_save(dp, kind, str(tmp_path))), loss_total)
+    for got, want in zip(_metric_values(dp), running):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_no_checkpoint_callback_holds_the_training_metrics(tmp_path):
+    # Checkpoints after every step, in each format the stack writes.
+    keras_2 = markers.KERAS_MAJOR == 2
+    files = ['cb.weights.h5', 'cb.keras'] + (
+        ['tf/ckpt', 'saved_model'] if keras_2 else [])
+    callbacks = [tf.keras.callbacks.ModelCheckpoint(
+        str(tmp_path / name), save_freq=1,
+        save_weights_only=name in ('cb.weights.h5', 'tf/ckpt'))
+                 for name in files]
+    callbacks.append(tf.keras.callbacks.BackupAndRestore(
+        str(tmp_path / 'backup'), delete_checkpoint=False))
+    dp = _trained_with_metrics(callbacks)
+    saved = _saved_variables(str(tmp_path))
+    assert all(any(name.startswith(str(tmp_path / f)) for name in saved)
+               for f in files + ['backup'])
+    _assert_no_metric_state(saved, _metric_values(dp)[0])
 
 
 @markers.needs_keras_2

@@ -30,6 +30,7 @@ and cannot compile the seeded step keys' hashing (the clip-mask-sum kernels
 use XLA on their own).
 """
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -210,6 +211,50 @@ class DPModel(tf.keras.Model):
             return _keras.restored_from_config_only(
                 super()._trackable_saved_model_saver)
 
+        # Keras 2 writes the state of every metric into .weights.h5, .keras
+        # and SavedModel files (Keras 3 into none): computed on private
+        # batches without noise (e.g. the exact sum of the sampled
+        # examples' losses), it must not be in a released artifact. Saving
+        # clears it however it is called (Keras cannot be kept from
+        # writing its entries): here for SavedModels, in save_own_variables
+        # for the other two. save and save_weights (and so ModelCheckpoint)
+        # then put the running values of fit's logs back.
+
+        def _trackable_children(self, save_type='checkpoint', **kwargs):
+            if save_type == 'savedmodel':
+                self._clear_metric_state()
+            return super()._trackable_children(save_type, **kwargs)
+
+        def save(self, *args, **kwargs):
+            with self._metric_state_kept():
+                return super().save(*args, **kwargs)
+
+        def save_weights(self, *args, **kwargs):
+            with self._metric_state_kept():
+                return super().save_weights(*args, **kwargs)
+
+    def _training_metrics(self) -> List[Any]:
+        """The metrics that steps update: the loss tracker, the compiled
+        metrics and those the wrapped model's layers add."""
+        metrics = self.metrics + list(self.inner_model.metrics)
+        return list({id(metric): metric for metric in metrics}.values())
+
+    def _clear_metric_state(self) -> None:
+        if not _keras.IS_KERAS_3:
+            for metric in self._training_metrics():
+                metric.reset_state()
+
+    @contextlib.contextmanager
+    def _metric_state_kept(self):
+        variables = [variable for metric in self._training_metrics()
+                     for variable in metric.variables]
+        values = [variable.numpy() for variable in variables]
+        try:
+            yield
+        finally:
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+
     @property
     def aggregator(self) -> Optional[aggregator_lib.PrivateAggregator]:
         """The ``PrivateAggregator`` that runs the steps: the model's own, or
@@ -382,6 +427,7 @@ class DPModel(tf.keras.Model):
         self.compile(**tf.keras.utils.deserialize_keras_object(config))
 
     def save_own_variables(self, store) -> None:
+        self._clear_metric_state()  # Before Keras saves the metrics.
         super().save_own_variables(store)
         _keras.save_legacy_optimizer(getattr(self, 'optimizer', None), store)
 
