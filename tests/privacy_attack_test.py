@@ -276,6 +276,13 @@ def test_ledger_epsilon_at_d0_one_is_a_gaussian_subsampled_at_q1_q2():
 # --- (1) a stale secret run state -------------------------------------------------
 
 
+def _seeded_linear():
+    dp = DPModel(tiny_models.linear(), _config(), physical_batch_size=8,
+                 seed=3)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    return dp
+
+
 def test_random_state_of_another_step_is_refused(tmp_path):
     # The state saved after step 1, loaded into the checkpoint of step 2:
     # step 3 would reuse step 2's key, i.e. the noise already released in
@@ -283,17 +290,13 @@ def test_random_state_of_another_step_is_refused(tmp_path):
     secret = str(tmp_path / 'random_state.json')
     weights = str(tmp_path / 'model.weights.h5')
     x, y = tiny_models.data(4)
-    dp = DPModel(tiny_models.linear(), _config(), physical_batch_size=8,
-                 seed=3)
-    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    dp = _seeded_linear()
     tiny_models.one_step(dp, x, y)
     dp.save_random_state(secret)
     tiny_models.one_step(dp, x, y)
     dp.save_weights(weights)
 
-    resumed = DPModel(tiny_models.linear(), _config(), physical_batch_size=8,
-                      seed=3)
-    resumed.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    resumed = _seeded_linear()
     resumed(x)
     resumed.load_weights(weights)
     assert int(resumed.optimizer.iterations) == 2
@@ -309,9 +312,7 @@ def test_random_state_of_other_weights_at_the_same_step_count_is_refused(
     # next step would reuse the noise of step 2, already in the weights).
     secret = str(tmp_path / 'random_state.json')
     x, y = tiny_models.data(4)
-    dp = DPModel(tiny_models.linear(), _config(), physical_batch_size=8,
-                 seed=3)
-    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    dp = _seeded_linear()
     tiny_models.one_step(dp, x, y)
     dp.save_random_state(secret)
     dp.load_random_state(secret)  # The same weights: accepted.

@@ -138,7 +138,12 @@ def test_a_label_out_of_range_contributes_nothing(label, loss):
                    loss=_sparse_ce_function)
     if loss == 'float_labels':  # Class indices stored as floats.
         y = y.astype(np.float32)
-    initial = dp.get_weights()
+    _assert_bad_label_contributes_nothing(dp, dp.get_weights(), x, y, label)
+
+
+def _assert_bad_label_contributes_nothing(dp, initial, x, y, label):
+    """The update with row BAD_ROW's label set to ``label`` equals the
+    update without that row; returns the labels with the bad one."""
     without_bad = np.ones(len(x), np.float32)
     without_bad[BAD_ROW] = 0.0
     reference = _update(dp, initial, x, y, without_bad)
@@ -146,6 +151,7 @@ def test_a_label_out_of_range_contributes_nothing(label, loss):
     bad_y[BAD_ROW] = label
     got = _update(dp, initial, x, bad_y, np.ones(len(x), np.float32))
     np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-8)
+    return bad_y
 
 
 @pytest.mark.parametrize('label', [10, -1])
@@ -161,13 +167,7 @@ def test_a_label_out_of_range_does_not_abort_a_compiled_metric(label):
                metrics=[tf.keras.metrics.SparseCategoricalCrossentropy(
                    from_logits=True, name='xent')])
     initial = dp.get_weights()
-    without_bad = np.ones(len(x), np.float32)
-    without_bad[BAD_ROW] = 0.0
-    reference = _update(dp, initial, x, y, without_bad)
-    bad_y = y.copy()
-    bad_y[BAD_ROW] = label
-    got = _update(dp, initial, x, bad_y, np.ones(len(x), np.float32))
-    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-8)
+    bad_y = _assert_bad_label_contributes_nothing(dp, initial, x, y, label)
     # Evaluation too: the metric is that of the other rows.
     dp.set_weights(initial)
     clean = np.arange(len(x)) != BAD_ROW
