@@ -322,3 +322,14 @@ def test_random_state_of_other_weights_at_the_same_step_count_is_refused(
     assert int(dp.optimizer.iterations) == 1 and int(dp.steps_taken) == 3
     with pytest.raises(ValueError, match='with other weights'):
         dp.load_random_state(secret)
+
+
+def test_random_state_needs_the_weights_it_is_checked_against(tmp_path):
+    # A model not built yet (e.g. a TF-format checkpoint waiting to be
+    # restored) has no weights to match the file with: refused, naming the
+    # fix, rather than loaded unchecked.
+    dp = DPModel(tf.keras.Sequential([tf.keras.layers.Dense(1)]), _config(),
+                 physical_batch_size=8, seed=3)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
+    with pytest.raises(ValueError, match='not built.*call the model'):
+        dp.save_random_state(str(tmp_path / 'random_state.json'))

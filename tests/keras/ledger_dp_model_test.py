@@ -255,6 +255,22 @@ def test_steps_of_another_mechanism_stop_a_fit_the_ledger_watches():
 
 
 @markers.needs_tf_privacy_optimizers
+def test_a_ledger_reads_while_the_model_runs_a_non_private_optimizer():
+    # A non_private config has no DP event: the ledger's reading must not
+    # fail on it, nor charge its steps as the ledger's event.
+    dp = _dp_optimizer_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        _config(non_private=True), learning_rate=0.1),
+        loss=tf.keras.losses.MeanSquaredError())
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=1, seed=2):
+        step(batch)
+    assert ledger.steps == 2
+
+
+@markers.needs_tf_privacy_optimizers
 def test_steps_of_a_replaced_dp_optimizer_are_charged():
     # An interrupted fit, then a recompile with another DP optimizer (other
     # step keys): the step the ledger did not see is still charged.

@@ -339,7 +339,18 @@ class DPModel(tf.keras.Model):
 
     def _weights_digest(self) -> str:
         """SHA-256 of the wrapped model's weights and the DP steps they
-        hold: a run state continues only the weights it was saved with."""
+        hold: a run state continues only the weights it was saved with.
+
+        Raises:
+          ValueError: the wrapped model is not built (its weights, e.g. a
+            deferred checkpoint restore, are not there to compare).
+        """
+        if not self.inner_model.built:
+            raise ValueError(
+                f'{self.inner_model.name} is not built, so its weights cannot '
+                'be matched with a random state file: call the model on a '
+                'batch of inputs first (a TF-format checkpoint is restored '
+                'then), and save or load the random state after that.')
         digest = hashlib.sha256()
         for value in self.inner_model.get_weights() + [
                 self.steps_taken.numpy()]:

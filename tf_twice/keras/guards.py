@@ -422,7 +422,10 @@ def _event_refusal(event: dp_accounting.DpEvent, model: Any) -> Optional[str]:
     if callable(dp_event) and hasattr(model, 'aggregator'):
         if model.aggregator is None:
             return f'{model.name} {NO_MECHANISM}'
-        expected = dp_event()
+        try:
+            expected = dp_event()
+        except ValueError as e:  # E.g. a non_private config: no event.
+            return f'{model.name} runs no DP event: {e}'
         if event != expected:
             return (f'The ledger accounts {event}, but {model.name} runs '
                     f'{expected}. Build the ledger from the model: '
