@@ -78,6 +78,11 @@ def loss_fn(loss: Any) -> 'ExampleLoss':
     return ExampleLoss(loss)
 
 
+def _all_per_row(valid: tf.Tensor) -> tf.Tensor:
+    """[B] bool: whether every entry of each row of ``valid`` holds."""
+    return tf.reduce_all(tf.reshape(valid, [tf.shape(valid)[0], -1]), axis=1)
+
+
 class ExampleLoss:
     """The per-example loss of a Keras loss (see `loss_fn`)."""
 
@@ -116,10 +121,7 @@ class ExampleLoss:
             return None
         valid = self._valid_labels(tf.convert_to_tensor(y_true),
                                    tf.convert_to_tensor(y_pred))
-        if valid is None:
-            return None
-        return tf.reduce_all(tf.reshape(valid, [tf.shape(valid)[0], -1]),
-                             axis=1)
+        return None if valid is None else _all_per_row(valid)
 
     def __call__(self, y_true: tf.Tensor, y_pred: Any) -> tf.Tensor:
         y_pred = tf.convert_to_tensor(y_pred)
@@ -129,8 +131,7 @@ class ExampleLoss:
         invalid = None
         if valid is not None:
             y_true = tf.where(valid, y_true, tf.zeros_like(y_true))
-            invalid = tf.logical_not(tf.reduce_all(tf.reshape(
-                valid, [tf.shape(valid)[0], -1]), axis=1))
+            invalid = tf.logical_not(_all_per_row(valid))
         if not self._checked:  # Once: it traces the loss.
             loss_state.check_no_state_writes(self._fn, self.name, y_true,
                                              y_pred)
