@@ -255,6 +255,38 @@ def test_steps_of_another_mechanism_stop_a_fit_the_ledger_watches():
 
 
 @markers.needs_tf_privacy_optimizers
+def test_steps_of_a_replaced_dp_optimizer_of_another_mechanism_are_not_its():
+    # Fit under optimizer A's ledger, recompile with B (less noise), run B's
+    # steps outside any fit the ledger watches, recompile back to A: each
+    # step-key stream carries its optimizer's event, so B's steps are not
+    # charged as A's (they were: epsilon under-reported). The weights then
+    # hold steps this ledger did not charge, so it refuses more; a ledger
+    # of B's mechanism charges them.
+    dp = _dp_optimizer_model()
+    optimizer_a = dp.optimizer
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        _config(noise_multiplier=0.3), learning_rate=0.1),
+        loss=tf.keras.losses.MeanSquaredError())
+    optimizer_b = dp.optimizer
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=3, seed=2):
+        step(batch)
+    dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
+    assert ledger.steps == 2
+    with pytest.raises(ValueError, match=r'has run 5 DP steps.*charged only '
+                       r'2.*another mechanism'):
+        dp.fit(_data(steps=1, seed=3), callbacks=[ledger], verbose=0)
+    assert sum(keys.draws for keys in dp.key_streams) == 5
+    dp.compile(optimizer=optimizer_b, loss=tf.keras.losses.MeanSquaredError())
+    ledger_b = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    ledger_b.set_model(dp)
+    assert ledger_b.steps == 3
+    assert ledger.steps == 2
+
+
+@markers.needs_tf_privacy_optimizers
 def test_a_ledger_reads_while_the_model_runs_a_non_private_optimizer():
     # A non_private config has no DP event: the ledger's reading must not
     # fail on it, nor charge its steps as the ledger's event.

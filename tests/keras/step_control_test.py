@@ -26,6 +26,7 @@ from tf_twice.keras import step_control
 DELTA = 1e-5
 N = 64
 X, Y = tiny_models.data(N, seed=11)
+_EVENT = dp_accounting.GaussianDpEvent(1.0)
 
 
 class _StreamWithAConcurrentStep:
@@ -34,6 +35,7 @@ class _StreamWithAConcurrentStep:
 
     def __init__(self, at):
         self._value, self._reads, self._at = 0, 0, at
+        self.event = _EVENT
         self.accounted_draws = 0
         self.unverified_from = None
 
@@ -52,7 +54,8 @@ def test_a_step_finishing_during_a_reading_is_charged_later():
         stream = _StreamWithAConcurrentStep(at)
         model = types.SimpleNamespace(key_streams=[stream])
         counter = step_control.DrawnStepCounter()
-        charged[at] = sum(counter.new_steps(model) for _ in range(8))
+        charged[at] = sum(counter.new_steps(model, _EVENT).of_event
+                          for _ in range(8))
         assert stream.draws == 1
     # The one step that ran, whenever it finished (the bug: 0 for one).
     assert charged == {at: 1 for at in range(1, 7)}, charged

@@ -442,18 +442,6 @@ def _event_refusal(event: dp_accounting.DpEvent, model: Any) -> Optional[str]:
     return None
 
 
-def runs_event(model: Any, event: dp_accounting.DpEvent) -> bool:
-    """Whether a tf_twice DP ``model``'s steps are now ``event`` (False
-    for a model without a private mechanism).
-
-    Its trainable variables are not checked: a traced step keeps the
-    variables it was traced with, so steps that ran after a layer was
-    frozen are still the event's (and must be charged as it); running
-    more steps is what ``check_ledger_event`` refuses then.
-    """
-    return _event_refusal(event, model) is None
-
-
 def fit_callbacks(callbacks: Any) -> list:
     """`fit`'s ``callbacks`` argument (None, a list, a nest or a
     ``CallbackList``) as a flat list of callbacks."""

@@ -441,29 +441,34 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             self._bound_model = self.model
 
     def _charge_drawn_keys(self, in_fit: bool = False) -> bool:
-        """Charges the steps a tf_twice DP model ran since the last charge
-        (`step_control.DrawnStepCounter`); False for a model without step
-        keys.
+        """Charges the steps of this ledger's event that a tf_twice DP model
+        ran since the last charge (`step_control.DrawnStepCounter`); False
+        for a model without step keys.
+
+        Steps of another mechanism (a DP optimizer replaced by a recompile,
+        even one recompiled back since) are never charged as this event:
+        their streams stay unaccounted for a ledger of their own event, and
+        the weights' check refuses this ledger more steps until one is.
 
         Raises:
           ValueError: ``in_fit`` (a hook of a `fit` this ledger watches) and
-            the steps ran under another mechanism than this ledger's event:
-            it cannot charge them, so training must not go on.
+            steps ran under another mechanism than this ledger's event: it
+            cannot charge them, so training must not go on.
         """
         with self._charge_lock:
-            executed = self._drawn_steps.new_steps(self.model)
-            if executed < 0:
+            drawn = self._drawn_steps.new_steps(self.model, self.event)
+            if drawn is None:
                 return False
-            if executed and not guards.runs_event(self.model, self.event):
-                # E.g. read after a recompile with a new mechanism: not
-                # steps of this ledger's event, so not charged as them; the
-                # weights' own count then refuses this ledger for them.
+            self._charge_counted(drawn.of_event)
+            if drawn.of_other_events:
                 self._bound_model = None
                 message = (
-                    f'PrivacyLedger: {executed} step(s) of {self.model.name} '
-                    'ran under another mechanism than this ledger\'s event; '
-                    'not charged here (the ledger of that mechanism charges '
-                    'them).')
+                    f'PrivacyLedger: {drawn.of_other_events} step(s) of '
+                    f'{self.model.name} ran under another mechanism than this '
+                    'ledger\'s event; not charged here: this ledger\'s '
+                    'epsilon does not cover them, a ledger of their '
+                    'mechanism must (PrivacyLedger.for_model after compiling '
+                    'the model with that optimizer).')
                 if in_fit:
                     self.model.stop_training = True
                     raise ValueError(
@@ -471,8 +476,6 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                         'ledger watches, which would leave its steps and '
                         'limits behind the weights: training stopped.')
                 _LOGGER.warning(message)
-                return True
-            self._charge_counted(executed)
             return True
 
     def _stop(self, k: int) -> None:

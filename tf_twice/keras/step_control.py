@@ -8,7 +8,8 @@ how to keep a step from running:
   (`tf_twice.mechanism.aggregator.StepKeys`): one key is drawn per logical
   step and no restore or `fit` call rewinds the count, so the draws since
   the last reading are exactly the steps that ran, also those of a `fit`
-  cut off by an exception or of a custom loop over `train_step`.
+  cut off by an exception or of a custom loop over `train_step`; each
+  stream's event says which mechanism they ran.
 * `check_weights_covered` compares the optimizer's step count (restored
   with a checkpoint) and the keys drawn in this process with the steps
   charged: more of either means the weights hold steps this ledger never
@@ -21,18 +22,24 @@ how to keep a step from running:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, NamedTuple, Optional
 
+import dp_accounting
 import numpy as np
 import tensorflow as tf
 
 from tf_twice import _keras
 
-__all__ = ['DrawnStepCounter', 'block_train_function',
+__all__ = ['DrawnStepCounter', 'DrawnSteps', 'block_train_function',
            'check_weights_covered', 'unblock_train_function']
 
 _BLOCKED_NAME = 'blocked_train_function'
 
+
+class DrawnSteps(NamedTuple):
+    """Steps a model ran since the last reading, by mechanism."""
+    of_event: int  # Steps of the reader's event: it must charge them.
+    of_other_events: int  # Steps of streams of another mechanism.
 
 
 class DrawnStepCounter:
@@ -42,24 +49,31 @@ class DrawnStepCounter:
     optimizers replaced by a recompile, then the current one) and every
     stream seen before is read, so no stream's steps are lost; streams are
     held strongly because a replaced stream's uncounted steps must still be
-    read. The streams of the counter's first sight start where the charges
-    of earlier ledgers end (``StepKeys.accounted_draws``): steps that ran
-    before any ledger saw the model (a ``fit`` without a ledger, a custom
-    loop) are counted, steps another ledger charged are not; a stream seen
-    later starts at 0 (it can only over-charge).
+    read. Each stream carries the event of the steps drawn from it
+    (``StepKeys.event``): only streams of the reader's event count as its
+    steps, so steps of a replaced DP optimizer are never charged as the
+    mechanism the model runs when the ledger is read. The streams of the
+    counter's first sight start where the charges of earlier ledgers end
+    (``StepKeys.accounted_draws``): steps that ran before any ledger saw
+    the model (a ``fit`` without a ledger, a custom loop) are counted, steps
+    another ledger charged are not; a stream seen later starts at 0 (it can
+    only over-charge).
     """
 
     def __init__(self):
         # id(stream) -> [stream, draws already counted, exempt draws seen].
         self._counted: Dict[int, List[Any]] = {}
 
-    def new_steps(self, model: tf.keras.Model) -> int:
-        """Steps `model` ran since the last call, or -1 without step keys.
+    def new_steps(self, model: tf.keras.Model,
+                  event: dp_accounting.DpEvent) -> Optional[DrawnSteps]:
+        """Steps `model` ran since the last call; None without step keys.
 
-        The caller must charge the returned steps: they are marked as
-        accounted on the streams. Calls from several threads must be
-        serialised, with the charge (`PrivacyLedger` holds its charge lock):
-        then each drawn step is returned by exactly one call.
+        The caller must charge the returned ``of_event`` steps: they are
+        marked as accounted on their streams. Steps of other events are
+        left unaccounted, for a ledger of their own event. Calls from
+        several threads must be serialised, with the charge
+        (`PrivacyLedger` holds its charge lock): then each drawn step is
+        returned by exactly one call.
 
         Raises:
           ValueError: a stream holds steps marked unverified (a `fit`
@@ -69,7 +83,7 @@ class DrawnStepCounter:
         """
         streams = getattr(model, 'key_streams', None)
         if not streams:
-            return -1
+            return None
         first_sight = not self._counted
         for keys in streams:
             if id(keys) not in self._counted:
@@ -87,7 +101,7 @@ class DrawnStepCounter:
                     'them, and the weights keep them, so this ledger cannot '
                     'account the model. Train from a fresh model with '
                     'fit(poisson_batches(...), callbacks=[ledger]).')
-        executed = 0
+        of_event = of_other_events = 0
         for entry in self._counted.values():
             keys, counted, exempt_seen = entry
             # Read once: a step finishing on another thread between two
@@ -95,11 +109,15 @@ class DrawnStepCounter:
             draws, exempt = keys.draws, _exempt(keys)
             # An audit's trials since the last reading are not steps the
             # weights hold (never below 0: counting them is safe).
-            executed += max(0, draws - counted - (exempt - exempt_seen))
+            executed = max(0, draws - counted - (exempt - exempt_seen))
             entry[1], entry[2] = draws, exempt
-            keys.accounted_draws = max(getattr(keys, 'accounted_draws', 0),
-                                       draws)
-        return executed
+            if keys.event == event:
+                of_event += executed
+                keys.accounted_draws = max(
+                    getattr(keys, 'accounted_draws', 0), draws)
+            else:
+                of_other_events += executed
+        return DrawnSteps(of_event, of_other_events)
 
 
 def _exempt(keys: Any) -> int:
@@ -129,11 +147,15 @@ def check_weights_covered(model: tf.keras.Model, charged: int) -> None:
     if drawn > charged:
         raise ValueError(
             f'{model.name} has run {drawn} DP steps in this process, but this '
-            f'PrivacyLedger has charged only {charged}: {drawn - charged} '
-            'step(s) were charged by another ledger (e.g. before a recompile '
-            'with a fresh optimizer), and the weights hold them. Keep '
-            'training under that ledger or load its state file; or charge '
-            f'them here first with ledger.record_steps({drawn - charged}).')
+            f'PrivacyLedger has charged only {charged}: the weights hold '
+            f'{drawn - charged} step(s) it did not charge, charged by another '
+            'ledger (e.g. before a recompile with a fresh optimizer) or run '
+            'under another mechanism (a DP optimizer a recompile replaced). '
+            'Keep training under the ledger that charged them or load its '
+            'state file; a ledger of their mechanism charges steps of another '
+            '(PrivacyLedger.for_model with the model compiled with that '
+            'optimizer); steps of this ledger\'s event can be charged here '
+            f'first with ledger.record_steps({drawn - charged}).')
     iterations = getattr(getattr(model, 'optimizer', None), 'iterations',
                          None)
     if iterations is None:

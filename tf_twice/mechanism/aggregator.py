@@ -53,6 +53,7 @@ import math
 import os
 from typing import List, Optional, Sequence
 
+import dp_accounting
 import tensorflow as tf
 
 from tf_twice import _validate
@@ -126,9 +127,15 @@ class StepKeys:
         Only an explicitly loaded run state (``load``) continues a stream.
         A seed must be secret and used for one run only: the same seed on
         the same weights and other data gives the same noise.
+      event: the ``DpEvent`` of every step that draws a key from this
+        stream (its aggregator's config is frozen); None for a mechanism
+        without one (``non_private``). A ledger charges a stream's steps
+        only if this is its own event.
     """
 
-    def __init__(self, seed: Optional[int] = None) -> None:
+    def __init__(self, seed: Optional[int] = None, *,
+                 event: Optional[dp_accounting.DpEvent] = None) -> None:
+        self.event = event
         self._seed = (None if seed is None else
                       _validate.integer('seed', seed, 0, _MAX_SEED - 1))
         with tf.init_scope():
@@ -167,8 +174,8 @@ class StepKeys:
 
     def __deepcopy__(self, memo):
         # A copy of the state would replay every later key: a copy is a new
-        # OS-entropy stream instead.
-        return StepKeys(None)
+        # OS-entropy stream instead (of the same mechanism's steps).
+        return StepKeys(None, event=self.event)
 
     def __reduce__(self):
         raise TypeError(
@@ -406,7 +413,8 @@ class PrivateAggregator(hybrid.BasisHolder):
         # Untracked (see BasisVariables): the basis is not checkpointed.
         self._basis_variables = (None if basis is None else
                                  hybrid.BasisVariables(basis))
-        self._keys = StepKeys(seed)
+        self._keys = StepKeys(seed, event=(
+            None if config.non_private else config.dp_event()))
 
     @property
     def config(self) -> config_lib.TwiceSamplingConfig:
