@@ -324,6 +324,26 @@ def test_random_state_of_other_weights_at_the_same_step_count_is_refused(
         dp.load_random_state(secret)
 
 
+@pytest.mark.parametrize('missing', ['step', 'weights'])
+def test_random_state_without_its_step_or_weights_is_refused(tmp_path,
+                                                             missing):
+    # A file of an earlier version records neither the step nor the weights
+    # digest: it cannot be matched with the model, so it must not load (it
+    # might continue the keys of a step already in released weights).
+    secret = str(tmp_path / 'random_state.json')
+    x, y = tiny_models.data(4)
+    dp = _seeded_linear()
+    tiny_models.one_step(dp, x, y)
+    dp.save_random_state(secret)
+    with open(secret) as f:
+        state = json.load(f)
+    del state[missing]
+    with open(secret, 'w') as f:
+        json.dump(state, f)
+    with pytest.raises(ValueError, match='without a record of the step'):
+        dp.load_random_state(secret)
+
+
 def test_random_state_needs_the_weights_it_is_checked_against(tmp_path):
     # A model not built yet (e.g. a TF-format checkpoint waiting to be
     # restored) has no weights to match the file with: refused, naming the

@@ -327,7 +327,8 @@ class DPModel(tf.keras.Model):
 
         Raises:
           ValueError: the file was saved at another step count than the
-            model's, or with other weights (``StepKeys.load``).
+            model's, or with other weights, or records neither (a file of
+            an earlier version) (``StepKeys.load``).
         """
         self._require_aggregator().keys.load(
             path, step=self._step_count(), weights=self._weights_digest())

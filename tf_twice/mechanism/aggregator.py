@@ -317,7 +317,8 @@ class StepKeys:
         Raises:
           ValueError: the file was saved at another ``step`` or with other
             ``weights`` (e.g. an older file beside a newer checkpoint, or
-            another run's): the next steps would reuse the keys, i.e. the
+            another run's), or records no ``step`` or ``weights`` where they
+            are given (a file of an earlier version): the next steps would reuse the keys, i.e. the
             noise, of steps whose updates are already in released weights,
             and two releases with the same noise reveal their difference.
         """
@@ -327,10 +328,15 @@ class StepKeys:
             state = {}
         where = None
         saved = state.get('step')
-        if saved is not None and step is not None and int(saved) != int(step):
+        if ((step is not None and saved is None)
+                or (weights is not None and state.get('weights') is None)):
+            # Written by an earlier version (or edited): it cannot be
+            # matched with this model, so it might continue another point.
+            where = ('without a record of the step and weights it belongs '
+                     'to, so it cannot be matched with this model')
+        elif step is not None and int(saved) != int(step):
             where = f'at step {saved}, but this model is at step {int(step)}'
-        elif (state.get('weights') is not None and weights is not None
-              and state['weights'] != weights):
+        elif weights is not None and state['weights'] != weights:
             # The same step count is not the same point of a run: a
             # recompile restarts the optimizer's count, and runs forked from
             # one checkpoint share it.
