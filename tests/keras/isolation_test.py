@@ -23,6 +23,7 @@ from tf_twice import models
 from tf_twice import optimizers
 from tf_twice.config import TwiceSamplingConfig
 from tf_twice.keras import DPModel
+from tf_twice.keras import per_example
 
 LR, C2, Q2, B_EXP = 1.0, 0.01, 0.5, 4.0
 # An l-infinity clip well below c2 (d0 = 16): where a non-finite row were
@@ -174,6 +175,48 @@ def test_a_label_out_of_range_does_not_abort_a_compiled_metric(label):
     expected = dp.evaluate(x[clean], y[clean], verbose=0, return_dict=True)
     result = dp.evaluate(x, bad_y, verbose=0, return_dict=True)
     np.testing.assert_allclose(result['xent'], expected['xent'], rtol=1e-5)
+
+
+def _ignore_class_loss():
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                         ignore_class=-1)
+
+
+def test_entries_of_the_loss_ignore_class_carry_no_loss():
+    # Sequence labels padded with ignore_class: each example's loss is
+    # Keras's over its own other entries; one all padding has loss 0; a
+    # label outside the classes still makes its example's loss NaN. (The
+    # padding made the whole example NaN, i.e. dropped.)
+    keras_loss = _ignore_class_loss()
+    y = tf.constant([[1, -1, 2], [-1, -1, -1], [0, 3, 3], [1, 10, -1]])
+    logits = tf.random.stateless_normal([4, 3, 4], seed=[1, 2])
+    got = per_example.loss_fn(keras_loss)(y, logits).numpy()
+    for i in (0, 2):
+        np.testing.assert_allclose(
+            got[i], keras_loss(y[i:i + 1], logits[i:i + 1]).numpy(),
+            rtol=1e-6)
+    assert got[1] == 0.0 and np.isnan(got[3])
+
+
+def test_a_padded_sequence_example_trains():
+    # With noise 0 the padded example's own contribution moves the
+    # weights; one all padding contributes nothing.
+    inner = tf.keras.Sequential([tf.keras.layers.Embedding(6, 4),
+                                 tf.keras.layers.Dense(4)])
+    inner.build((None, 3))
+    dp = DPModel(inner, _config(), physical_batch_size=3, seed=SEED)
+    dp.compile(optimizer=tf.keras.optimizers.SGD(LR),
+               loss=_ignore_class_loss())
+    x = np.array([[1, 2, 3], [4, 5, 0], [2, 2, 1], [3, 0, 0]])
+    y = np.array([[0, 1, 2], [3, 0, 1], [1, -1, -1], [-1, -1, -1]])
+    initial = dp.get_weights()
+    weights = np.ones(len(x), np.float32)
+    without = {row: _update(dp, initial, x, y, np.where(
+        np.arange(len(x)) == row, 0.0, 1.0).astype(np.float32))
+        for row in (2, 3)}
+    every = _update(dp, initial, x, y, weights)
+    assert np.linalg.norm(every - without[2]) > 1e-6  # Padded: trains.
+    np.testing.assert_allclose(every, without[3], rtol=1e-5, atol=1e-8)
 
 
 def test_a_batched_jacobian_is_not_isolated():

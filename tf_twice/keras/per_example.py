@@ -19,6 +19,7 @@ rows, 0 * NaN = NaN). This module is the one place that
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -90,7 +91,16 @@ class ExampleLoss:
         self._sparse = (
             isinstance(loss, tf.keras.losses.SparseCategoricalCrossentropy)
             or loss is tf.keras.losses.sparse_categorical_crossentropy)
-        if isinstance(loss, tf.keras.losses.Loss):
+        # Entries labelled ignore_class (e.g. padding of a sequence) carry
+        # no loss, and an example's loss is the mean over its other entries,
+        # as Keras's reduction takes it. The mask is applied here: Keras's
+        # own (a boolean_mask) does not vectorize over examples.
+        kwargs = dict(getattr(loss, '_fn_kwargs', None) or {})
+        self._ignore_class = kwargs.pop('ignore_class', None)
+        if self._ignore_class is not None:
+            self._fn = functools.partial(loss.fn, **kwargs)
+            self.name = f'{type(loss).__name__} {loss.name!r}'
+        elif isinstance(loss, tf.keras.losses.Loss):
             self._fn = loss.call
             self.name = f'{type(loss).__name__} {loss.name!r}'
         else:
@@ -115,7 +125,8 @@ class ExampleLoss:
 
         A compiled metric must skip those rows: it reads the raw labels,
         and e.g. a sparse cross-entropy aborts the step on such a label,
-        revealing that the record was sampled.
+        revealing that the record was sampled. A label equal to the loss's
+        ignore_class is outside too: the metrics do not ignore it.
         """
         if tf.nest.is_nested(y_true) or tf.nest.is_nested(y_pred):
             return None
@@ -128,24 +139,39 @@ class ExampleLoss:
         y_true = tf.cast(y_true, y_pred.dtype) if y_true.dtype.is_floating \
             else y_true
         valid = self._valid_labels(y_true, y_pred)
-        invalid = None
+        invalid = kept = None
         if valid is not None:
+            if self._ignore_class is not None:
+                kept = tf.cast(y_true, tf.int64) != self._ignore_class
+                invalid = tf.logical_not(_all_per_row(
+                    tf.logical_or(valid, tf.logical_not(kept))))
+            else:
+                invalid = tf.logical_not(_all_per_row(valid))
             y_true = tf.where(valid, y_true, tf.zeros_like(y_true))
-            invalid = tf.logical_not(_all_per_row(valid))
         if not self._checked:  # Once: it traces the loss.
             loss_state.check_no_state_writes(self._fn, self.name, y_true,
                                              y_pred)
             self._checked = True
         values = tf.cast(tf.convert_to_tensor(self._fn(y_true, y_pred)),
                          tf.float32)
+        count = None
+        if kept is not None:
+            kept = tf.reshape(kept, tf.shape(values))
+            # A select, not a product: an ignored entry's loss may be inf.
+            values = tf.where(kept, values, tf.zeros_like(values))
+            count = tf.cast(kept, values.dtype)
         if invalid is not None:
             # The constant branch has zero gradient: no contribution.
             values = tf.where(
                 tf.reshape(invalid, [-1] + [1] * (values.shape.rank - 1)),
                 tf.fill(tf.shape(values), float('nan')), values)
         if values.shape.rank is not None and values.shape.rank > 1:
-            values = tf.reduce_mean(
-                values, axis=list(range(1, values.shape.rank)))
+            axes = list(range(1, values.shape.rank))
+            if count is None:
+                values = tf.reduce_mean(values, axis=axes)
+            else:  # An example with every entry ignored has loss 0.
+                values = (tf.reduce_sum(values, axis=axes) / tf.maximum(
+                    tf.reduce_sum(count, axis=axes), 1.0))
         return values
 
 
