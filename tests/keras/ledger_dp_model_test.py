@@ -280,10 +280,15 @@ def test_steps_of_a_replaced_dp_optimizer_of_another_mechanism_are_not_its():
         dp.fit(_data(steps=1, seed=3), callbacks=[ledger], verbose=0)
     assert sum(keys.draws for keys in dp.key_streams) == 5
     dp.compile(optimizer=optimizer_b, loss=tf.keras.losses.MeanSquaredError())
-    ledger_b = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    ledger_b.set_model(dp)
-    assert ledger_b.steps == 3
+    # Going on under B: a ledger continuing A's history charges B's steps
+    # under B's event and composes both.
+    both = PrivacyLedger.from_state(ledger.get_state(), event=dp.dp_event(),
+                                    verbose=0)
+    dp.fit(_data(steps=1, seed=4), callbacks=[both], verbose=0)
+    assert both.steps == 2 + 3 + 1
     assert ledger.steps == 2
+    state = both.get_state()
+    assert [segment['count'] for segment in state['segments']] == [2, 4]
 
 
 @markers.needs_tf_privacy_optimizers
