@@ -304,17 +304,24 @@ def test_random_state_of_another_step_is_refused(tmp_path):
         resumed.load_random_state(secret)
 
 
+def _one_step_and_its_random_state(tmp_path):
+    """A seeded model after one step, the file of its random state, and
+    the step's batch."""
+    secret = str(tmp_path / 'random_state.json')
+    x, y = tiny_models.data(4)
+    dp = _seeded_linear()
+    tiny_models.one_step(dp, x, y)
+    dp.save_random_state(secret)
+    return dp, secret, (x, y)
+
+
 def test_random_state_of_other_weights_at_the_same_step_count_is_refused(
         tmp_path):
     # A recompile with a fresh optimizer restarts its step count while the
     # weights keep their steps: the state saved after step 1 must not load
     # into the model after step 3, whose optimizer is again at step 1 (its
     # next step would reuse the noise of step 2, already in the weights).
-    secret = str(tmp_path / 'random_state.json')
-    x, y = tiny_models.data(4)
-    dp = _seeded_linear()
-    tiny_models.one_step(dp, x, y)
-    dp.save_random_state(secret)
+    dp, secret, (x, y) = _one_step_and_its_random_state(tmp_path)
     dp.load_random_state(secret)  # The same weights: accepted.
     tiny_models.one_step(dp, x, y)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
@@ -330,11 +337,7 @@ def test_random_state_without_its_step_or_weights_is_refused(tmp_path,
     # A file of an earlier version records neither the step nor the weights
     # digest: it cannot be matched with the model, so it must not load (it
     # might continue the keys of a step already in released weights).
-    secret = str(tmp_path / 'random_state.json')
-    x, y = tiny_models.data(4)
-    dp = _seeded_linear()
-    tiny_models.one_step(dp, x, y)
-    dp.save_random_state(secret)
+    dp, secret, _ = _one_step_and_its_random_state(tmp_path)
     with open(secret) as f:
         state = json.load(f)
     del state[missing]
