@@ -97,11 +97,9 @@ class ExampleLoss:
         # own (a boolean_mask) does not vectorize over examples.
         kwargs = dict(getattr(loss, '_fn_kwargs', None) or {})
         self._ignore_class = kwargs.pop('ignore_class', None)
-        if self._ignore_class is not None:
-            self._fn = functools.partial(loss.fn, **kwargs)
-            self.name = f'{type(loss).__name__} {loss.name!r}'
-        elif isinstance(loss, tf.keras.losses.Loss):
-            self._fn = loss.call
+        if isinstance(loss, tf.keras.losses.Loss):
+            self._fn = (loss.call if self._ignore_class is None
+                        else functools.partial(loss.fn, **kwargs))
             self.name = f'{type(loss).__name__} {loss.name!r}'
         else:
             self._fn = loss

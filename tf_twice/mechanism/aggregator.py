@@ -318,9 +318,10 @@ class StepKeys:
           ValueError: the file was saved at another ``step`` or with other
             ``weights`` (e.g. an older file beside a newer checkpoint, or
             another run's), or records no ``step`` or ``weights`` where they
-            are given (a file of an earlier version): the next steps would reuse the keys, i.e. the
-            noise, of steps whose updates are already in released weights,
-            and two releases with the same noise reveal their difference.
+            are given (a file of an earlier version): the next steps would
+            reuse the keys, i.e. the noise, of steps whose updates are
+            already in released weights, and two releases with the same
+            noise reveal their difference.
         """
         with open(os.fspath(path)) as f:
             state = json.load(f)
