@@ -275,8 +275,8 @@ def test_steps_of_a_replaced_dp_optimizer_of_another_mechanism_are_not_its():
         step(batch)
     dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
     assert ledger.steps == 2
-    with pytest.raises(ValueError, match=r'has run 5 DP steps.*charged only '
-                       r'2.*another mechanism'):
+    with pytest.raises(ValueError, match=r'3 step\(s\) of another '
+                       r'mechanism.*no ledger has charged them'):
         dp.fit(_data(steps=1, seed=3), callbacks=[ledger], verbose=0)
     assert sum(keys.draws for keys in dp.key_streams) == 5
     dp.compile(optimizer=optimizer_b, loss=tf.keras.losses.MeanSquaredError())
@@ -289,6 +289,36 @@ def test_steps_of_a_replaced_dp_optimizer_of_another_mechanism_are_not_its():
     assert ledger.steps == 2
     state = both.get_state()
     assert [segment['count'] for segment in state['segments']] == [2, 4]
+
+
+@markers.needs_tf_privacy_optimizers
+@pytest.mark.parametrize('other', ['less_noise', 'non_private'])
+def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
+        other):
+    # A ledger that charged more steps than ran (here recorded without a
+    # step; a write-ahead reservation a crash left, or a resumed file, do
+    # the same) has room for B's steps in every count: the streams must
+    # still refuse it, in a fit and in a custom loop.
+    dp = _dp_optimizer_model()
+    optimizer_a = dp.optimizer
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    ledger.set_model(dp)
+    ledger.record_steps(3)
+    config_b = (_config(non_private=True) if other == 'non_private'
+                else _config(noise_multiplier=0.3))
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        config_b, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError())
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=2, seed=2):
+        step(batch)
+    dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
+    refusal = r'2 step\(s\) of another mechanism.*no ledger has charged'
+    with pytest.raises(ValueError, match=refusal):
+        dp.fit(_data(steps=1, seed=3), callbacks=[ledger], verbose=0)
+    with pytest.raises(ValueError, match=refusal):
+        ledger.record_steps(2)
+    assert ledger.steps == 3
+    assert int(dp.optimizer.iterations) == 0  # A ran no step.
 
 
 @markers.needs_tf_privacy_optimizers

@@ -392,11 +392,14 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
     def _check_loop_event(self) -> None:
         """`fit` checks at its start that the model runs this ledger's
-        event; a custom loop's every reserve and record does it here (a
-        recompile may have changed the model's mechanism)."""
+        event and holds no uncharged steps of another; a custom loop's
+        every reserve and record does it here (a recompile may have changed
+        the model's mechanism)."""
         model = getattr(self, 'model', None)
         if model is not None:
             guards.check_ledger_event(self.event, model)
+            step_control.check_no_uncharged_steps_of_other_mechanisms(
+                model, self.event)
 
     def _check_custom_loop_model(self) -> None:
         """`fit` checks at its start that this ledger covers the weights;
@@ -436,7 +439,8 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         """Refuses a model whose weights hold steps this ledger does not
         account; binds the weights to this ledger's history if not."""
         with self._charge_lock:
-            step_control.check_weights_covered(self.model, self._budget.steps)
+            step_control.check_weights_covered(
+                self.model, self._budget.steps, self.event)
             ledger_binding.bind(self.model, self._budget)
             self._bound_model = self.model
 

@@ -31,6 +31,7 @@ import tensorflow as tf
 from tf_twice import _keras
 
 __all__ = ['DrawnStepCounter', 'DrawnSteps', 'block_train_function',
+           'check_no_uncharged_steps_of_other_mechanisms',
            'check_weights_covered', 'unblock_train_function']
 
 _BLOCKED_NAME = 'blocked_train_function'
@@ -124,7 +125,32 @@ def _exempt(keys: Any) -> int:
     return getattr(keys, 'exempt_draws', 0)
 
 
-def check_weights_covered(model: tf.keras.Model, charged: int) -> None:
+def check_no_uncharged_steps_of_other_mechanisms(
+        model: tf.keras.Model, event: dp_accounting.DpEvent) -> None:
+    """Refuses a ledger of ``event`` while ``model``'s weights hold steps
+    of another mechanism that no ledger has charged.
+
+    Step counts alone cannot show them: a ledger that charged more steps
+    than ran (a write-ahead reservation a crash left, a resumed state file)
+    has room for them. Their streams say which mechanism ran them.
+    """
+    uncharged = sum(
+        max(0, keys.draws - getattr(keys, 'accounted_draws', 0))
+        for keys in getattr(model, 'key_streams', None) or ()
+        if keys.event != event)
+    if uncharged:
+        raise ValueError(
+            f'{uncharged} step(s) of another mechanism (a DP optimizer a '
+            f'recompile replaced) ran on {model.name} and no ledger has '
+            'charged them; this ledger cannot account them, nor more steps '
+            'of these weights. Charge them under their own event first: '
+            'PrivacyLedger.from_state(ledger.get_state(), '
+            'event=model.dp_event()) with the model compiled with that '
+            'optimizer composes them with this ledger\'s steps.')
+
+
+def check_weights_covered(model: tf.keras.Model, charged: int,
+                          event: dp_accounting.DpEvent) -> None:
     """Refuses a DP model whose optimizer took more steps than `charged`.
 
     Within a process the step keys show every step; across processes only
@@ -142,6 +168,7 @@ def check_weights_covered(model: tf.keras.Model, charged: int) -> None:
     streams = getattr(model, 'key_streams', None)
     if not streams:
         return
+    check_no_uncharged_steps_of_other_mechanisms(model, event)
     # An audit's trials drew keys, but their weights were restored.
     drawn = sum(keys.draws - _exempt(keys) for keys in streams)
     if drawn > charged:
