@@ -411,35 +411,29 @@ def check_ledger_event(event: dp_accounting.DpEvent, model: Any) -> None:
       ValueError: naming the fix.
     """
     check_mechanism_fits_variables(model)
-    refusal = _event_refusal(event, model)
-    if refusal is not None:
-        raise ValueError(refusal)
-
-
-def _event_refusal(event: dp_accounting.DpEvent, model: Any) -> Optional[str]:
-    """Why ``model``'s steps are not ``event`` (None: they are)."""
     dp_event = getattr(model, 'dp_event', None)
     if callable(dp_event) and hasattr(model, 'aggregator'):
         if model.aggregator is None:
-            return f'{model.name} {NO_MECHANISM}'
+            raise ValueError(f'{model.name} {NO_MECHANISM}')
         try:
             expected = dp_event()
         except ValueError as e:  # E.g. a non_private config: no event.
-            return f'{model.name} runs no DP event: {e}'
+            raise ValueError(f'{model.name} runs no DP event: {e}') from e
         if event != expected:
-            return (f'The ledger accounts {event}, but {model.name} runs '
-                    f'{expected}. Build the ledger from the model: '
-                    'PrivacyLedger.for_model(model, delta=...).')
-        return None
+            raise ValueError(
+                f'The ledger accounts {event}, but {model.name} runs '
+                f'{expected}. Build the ledger from the model: '
+                'PrivacyLedger.for_model(model, delta=...).')
+        return
     optimizer = getattr(model, 'optimizer', None)
     if getattr(optimizer, 'aggregator', None) is not None:
-        return (f'{type(model).__name__} is compiled with the DP optimizer '
-                f'{type(optimizer).__name__}, but Keras gives an optimizer '
-                'only the loss of a batched forward pass, whose per-example '
-                'gradients are not isolated. Wrap the model first: '
-                'model = tf_twice.keras.DPModel(model), then compile that '
-                'with the optimizer.')
-    return None
+        raise ValueError(
+            f'{type(model).__name__} is compiled with the DP optimizer '
+            f'{type(optimizer).__name__}, but Keras gives an optimizer only '
+            'the loss of a batched forward pass, whose per-example '
+            'gradients are not isolated. Wrap the model first: '
+            'model = tf_twice.keras.DPModel(model), then compile that with '
+            'the optimizer.')
 
 
 def fit_callbacks(callbacks: Any) -> list:

@@ -470,9 +470,10 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                     f'PrivacyLedger: {drawn.of_other_events} step(s) of '
                     f'{self.model.name} ran under another mechanism than this '
                     'ledger\'s event; not charged here: this ledger\'s '
-                    'epsilon does not cover them, a ledger of their '
-                    'mechanism must (PrivacyLedger.for_model after compiling '
-                    'the model with that optimizer).')
+                    'epsilon does not cover them. With the model compiled '
+                    'with that optimizer, PrivacyLedger.from_state('
+                    'ledger.get_state(), event=model.dp_event()) charges '
+                    'them and composes them with this ledger\'s steps.')
                 if in_fit:
                     self.model.stop_training = True
                     raise ValueError(

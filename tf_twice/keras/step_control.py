@@ -181,10 +181,7 @@ def check_weights_covered(model: tf.keras.Model, charged: int,
             'Keep training under the ledger that charged them or load its '
             'state file; to go on under another mechanism, continue that '
             'ledger\'s history (PrivacyLedger.from_state(other.get_state(), '
-            'event=model.dp_event())); steps of another mechanism no '
-            'ledger charged need a ledger of their mechanism '
-            '(PrivacyLedger.for_model with the model compiled with that '
-            'optimizer); steps of this '
+            'event=model.dp_event())); steps of this '
             'ledger\'s event can be charged here first with '
             f'ledger.record_steps({drawn - charged}).')
     iterations = getattr(getattr(model, 'optimizer', None), 'iterations',
