@@ -1,6 +1,7 @@
 """PrivacyLedger and tf_twice DP models: for_model, the checks at the start
 of fit, and steps counted from the step keys (tf_twice.keras.step_control)."""
 
+import logging
 import os
 
 import numpy as np
@@ -13,6 +14,7 @@ from tests.keras.ledger_setup import accountant_epsilon as _accountant_epsilon
 from tests.keras.ledger_setup import data as _data
 from tests.keras.ledger_setup import DELTA, EVENT, Q1, X, Y
 from tests.keras.ledger_setup import model as _model
+from tf_twice import auditing
 from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
@@ -291,14 +293,33 @@ def test_steps_of_a_replaced_dp_optimizer_of_another_mechanism_are_not_its():
     assert [segment['count'] for segment in state['segments']] == [2, 4]
 
 
+def _install_optimizer(dp, optimizer, route):
+    """Makes `optimizer` the one `dp`'s next steps run with: a recompile,
+    an assignment without one, or a recompile after one that failed in
+    Keras once it had set the optimizer (a typo in an argument)."""
+    loss = tf.keras.losses.MeanSquaredError()
+    if route == 'assigned':
+        dp.optimizer = optimizer
+        return
+    if route == 'after_a_failed_compile':
+        with pytest.raises(TypeError):
+            dp.compile(optimizer=optimizer, loss=loss,
+                       steps_per_execution='2')
+    dp.compile(optimizer=optimizer, loss=loss)
+
+
 @markers.needs_tf_privacy_optimizers
-@pytest.mark.parametrize('other', ['less_noise', 'non_private'])
+@pytest.mark.parametrize('other, route', [
+    ('less_noise', 'recompiled'), ('non_private', 'recompiled'),
+    ('less_noise', 'assigned'), ('less_noise', 'after_a_failed_compile')])
 def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
-        other):
+        other, route):
     # A ledger that charged more steps than ran (here recorded without a
     # step; a write-ahead reservation a crash left, or a resumed file, do
     # the same) has room for B's steps in every count: the streams must
-    # still refuse it, in a fit and in a custom loop.
+    # still refuse it, in a fit and in a custom loop, however B was
+    # installed and replaced (B's stream was once dropped when no
+    # successful recompile replaced it).
     dp = _dp_optimizer_model()
     optimizer_a = dp.optimizer
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
@@ -306,12 +327,12 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
     ledger.record_steps(3)
     config_b = (_config(non_private=True) if other == 'non_private'
                 else _config(noise_multiplier=0.3))
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        config_b, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError())
+    _install_optimizer(dp, optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        config_b, learning_rate=0.1), route)
     step = tf.function(dp.train_step)
     for batch in _data(steps=2, seed=2):
         step(batch)
-    dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
+    _install_optimizer(dp, optimizer_a, route)
     refusal = r'2 step\(s\) of another mechanism.*no ledger has charged'
     with pytest.raises(ValueError, match=refusal):
         dp.fit(_data(steps=1, seed=3), callbacks=[ledger], verbose=0)
@@ -319,6 +340,44 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
         ledger.record_steps(2)
     assert ledger.steps == 3
     assert int(dp.optimizer.iterations) == 0  # A ran no step.
+
+
+@markers.needs_tf_privacy_optimizers
+def test_steps_of_a_cached_train_function_of_another_mechanism_stop_the_fit():
+    # An optimizer assigned without a recompile: Keras's cached train
+    # function still runs A's step, drawing A's keys, while the model
+    # reports B's event. A ledger of B must not count those steps as none
+    # (it did: 20 steps of A ran, the ledger charged none of them).
+    dp = _dp_optimizer_model()
+    ledger_a = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=3), callbacks=[ledger_a], verbose=0)
+    dp.optimizer = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        _config(noise_multiplier=0.5), learning_rate=0.1)
+    ledger_b = PrivacyLedger.from_state(ledger_a.get_state(),
+                                        event=dp.dp_event(), verbose=0)
+    with pytest.raises(ValueError, match=r'1 step\(s\) of .*another '
+                       r'mechanism.*training stopped'):
+        dp.fit(_data(steps=5, seed=2), callbacks=[ledger_b], verbose=0)
+    assert int(dp.steps_taken) == 4
+    assert ledger_b.steps == 3
+    assert ledger_a.steps == 3 + 1  # A's ledger charges A's step.
+
+
+@markers.needs_tf_privacy_optimizers
+def test_an_audit_on_a_stream_the_ledger_has_not_seen_is_not_charged():
+    # An audit's trials draw keys but leave the weights as they were; on a
+    # stream the ledger first sees after its first reading (a recompile
+    # with a new optimizer of the same mechanism) they were charged as
+    # steps (41 for 20 trials), raising epsilon for nothing.
+    dp = _dp_optimizer_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=3), callbacks=[ledger], verbose=0)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        CONFIG, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError())
+    auditing.audit_one_step(dp, (X[0], Y[0]), num_trials=5, delta=DELTA,
+                            seed=0)
+    dp.fit(_data(steps=2, seed=3), callbacks=[ledger], verbose=0)
+    assert ledger.steps == 3 + 2
 
 
 @markers.needs_tf_privacy_optimizers
@@ -406,6 +465,23 @@ def test_custom_loop_steps_between_fits_are_charged():
         step(batch)
     dp.fit(_data(steps=2, seed=4), callbacks=[ledger], verbose=0)
     assert ledger.steps == int(dp.optimizer.iterations) == 7
+
+
+def test_a_custom_loop_is_told_that_its_input_is_not_checked(caplog):
+    # The ledger cannot see what a custom loop feeds train_step (fit checks
+    # its input is Poisson-sampled): it says so, once per model.
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA)
+    caplog.set_level(logging.WARNING)
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=2):
+        ledger.reserve_steps(1)
+        step(batch)
+        ledger.record_steps(1)
+    told = [r for r in caplog.records if 'custom loop' in r.getMessage()]
+    assert len(told) == 1
+    assert 'poisson_batches' in told[0].getMessage()
+    assert ledger.steps == 2
 
 
 def test_new_ledger_refuses_steps_another_ledger_charged_before_a_recompile():

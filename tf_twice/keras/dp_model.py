@@ -195,9 +195,10 @@ class DPModel(tf.keras.Model):
             aggregator_lib.state_fingerprint(
                 model.trainable_variables, tf.constant(0, tf.int64))
             if model.built else None))
-        # Step-key streams of DP optimizers replaced by a recompile: the
-        # ledger still charges the steps they drew.
-        object.__setattr__(self, '_retired_keys', [])
+        # Every step-key stream a step of this model was traced or run
+        # with (`key_streams`): the ledger charges the steps they drew,
+        # also those of an optimizer replaced since, however it was.
+        object.__setattr__(self, '_stepped_streams', [])
         self._example_loss = None
 
     if not _keras.IS_KERAS_3:
@@ -298,15 +299,18 @@ class DPModel(tf.keras.Model):
 
     @property
     def key_streams(self) -> List[aggregator_lib.StepKeys]:
-        """Every step-key stream this model's steps have drawn from, each
-        once: those of DP optimizers replaced by a recompile, then the
-        current one (a recompile back to an earlier optimizer reuses its
-        stream)."""
+        """Every step-key stream this model's steps may have drawn from,
+        each once: those a step was traced or run with (`train_step`
+        records them), then the current one. Recorded when the step is
+        built, not at `compile`, so the streams of a DP optimizer replaced
+        without a recompile (an assigned ``optimizer``, a `compile` that
+        failed half-way) or still run by a train function Keras cached
+        are read too."""
         aggregator = self.aggregator
         current = [] if aggregator is None else [aggregator.keys]
-        retired = [keys for keys in self._retired_keys
+        earlier = [keys for keys in self._stepped_streams
                    if all(keys is not c for c in current)]
-        return retired + current
+        return earlier + current
 
     def save_random_state(self, path: str) -> None:
         """Writes the SECRET state of the step keys to ``path``.
@@ -407,14 +411,10 @@ class DPModel(tf.keras.Model):
         guards.check_dp_optimizer(optimizer,
                                   has_config=self._own_aggregator is not None)
         self._example_loss = per_example.loss_fn(loss)
-        previous = self.aggregator
         guards.check_no_xla(kwargs.get('jit_compile', False))
         kwargs['jit_compile'] = False
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
-        if previous is not None and previous is not self.aggregator and all(
-                previous.keys is not keys for keys in self._retired_keys):
-            self._retired_keys.append(previous.keys)
         # A legacy optimizer creates its step counter on first use; the
         # traced step reads it (a seeded stream's position), so it must
         # exist before, in the strategy's scope.
@@ -593,6 +593,10 @@ class DPModel(tf.keras.Model):
         if self._example_loss is None:
             raise ValueError('DPModel must be compiled before training.')
         aggregator = self._require_aggregator()
+        # In Python, so at every trace and eager call: the stream this
+        # step draws from, whatever replaces the optimizer later.
+        if all(aggregator.keys is not keys for keys in self._stepped_streams):
+            self._stepped_streams.append(aggregator.keys)
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if y is None:
             raise ValueError('DPModel.train_step needs targets y.')

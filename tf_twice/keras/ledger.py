@@ -408,6 +408,14 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         if model is not None and self._loop_checked_model is not model:
             self._check_weights_covered()
             self._loop_checked_model = model
+            if self._verbose and getattr(model, 'key_streams', None):
+                _LOGGER.warning(
+                    'PrivacyLedger: %s runs a custom loop, whose input this '
+                    'ledger cannot see: its steps are charged as the '
+                    'event\'s Poisson-sampled logical batches, so the '
+                    'epsilon holds only if every batch given to train_step '
+                    'is one of tf_twice.sampling.poisson_batches(...) for '
+                    'this config (its n and rate), used once.', model.name)
 
     def get_state(self) -> Dict[str, Any]:
         """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`)."""
@@ -473,7 +481,8 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                     'epsilon does not cover them. With the model compiled '
                     'with that optimizer, PrivacyLedger.from_state('
                     'ledger.get_state(), event=model.dp_event()) charges '
-                    'them and composes them with this ledger\'s steps.')
+                    'them once it sees the model (set_model(model), or '
+                    'fit) and composes them with this ledger\'s steps.')
                 if in_fit:
                     self.model.stop_training = True
                     raise ValueError(

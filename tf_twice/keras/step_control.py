@@ -88,9 +88,12 @@ class DrawnStepCounter:
         first_sight = not self._counted
         for keys in streams:
             if id(keys) not in self._counted:
-                start = (min(keys.draws, getattr(keys, 'accounted_draws', 0))
-                         if first_sight else 0)
-                self._counted[id(keys)] = [keys, start, _exempt(keys)]
+                # A stream seen later counts from 0, its audit trials too
+                # (they are subtracted below).
+                start, exempt = ((min(keys.draws,
+                                      getattr(keys, 'accounted_draws', 0)),
+                                  _exempt(keys)) if first_sight else (0, 0))
+                self._counted[id(keys)] = [keys, start, exempt]
         for keys, _, _ in self._counted.values():
             marked = getattr(keys, 'unverified_from', None)
             if marked is not None and keys.draws > marked:
@@ -140,13 +143,14 @@ def check_no_uncharged_steps_of_other_mechanisms(
         if keys.event != event)
     if uncharged:
         raise ValueError(
-            f'{uncharged} step(s) of another mechanism (a DP optimizer a '
-            f'recompile replaced) ran on {model.name} and no ledger has '
+            f'{uncharged} step(s) of another mechanism (a DP optimizer '
+            f'replaced since) ran on {model.name} and no ledger has '
             'charged them; this ledger cannot account them, nor more steps '
             'of these weights. Charge them under their own event first: '
+            'with the model compiled with that optimizer, '
             'PrivacyLedger.from_state(ledger.get_state(), '
-            'event=model.dp_event()) with the model compiled with that '
-            'optimizer composes them with this ledger\'s steps.')
+            'event=model.dp_event()) composes them with this ledger\'s '
+            'steps once it sees the model (set_model(model), or fit).')
 
 
 def check_weights_covered(model: tf.keras.Model, charged: int,
