@@ -309,17 +309,20 @@ def _install_optimizer(dp, optimizer, route):
 
 
 @markers.needs_tf_privacy_optimizers
-@pytest.mark.parametrize('other, route', [
-    ('less_noise', 'recompiled'), ('non_private', 'recompiled'),
-    ('less_noise', 'assigned'), ('less_noise', 'after_a_failed_compile')])
+@pytest.mark.parametrize('other, route, read', [
+    ('less_noise', 'recompiled', False), ('non_private', 'recompiled', False),
+    ('less_noise', 'assigned', False),
+    ('less_noise', 'after_a_failed_compile', False),
+    ('less_noise', 'recompiled', True)])
 def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
-        other, route):
+        other, route, read):
     # A ledger that charged more steps than ran (here recorded without a
     # step; a write-ahead reservation a crash left, or a resumed file, do
     # the same) has room for B's steps in every count: the streams must
     # still refuse it, in a fit and in a custom loop, however B was
     # installed and replaced (B's stream was once dropped when no
-    # successful recompile replaced it).
+    # successful recompile replaced it), also after a ledger of B built
+    # just to read B's epsilon (its reading once made B's steps its own).
     dp = _dp_optimizer_model()
     optimizer_a = dp.optimizer
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
@@ -332,6 +335,9 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
     step = tf.function(dp.train_step)
     for batch in _data(steps=2, seed=2):
         step(batch)
+    if read:
+        assert PrivacyLedger.for_model(dp, delta=DELTA,
+                                       verbose=0).epsilon > 0
     _install_optimizer(dp, optimizer_a, route)
     refusal = r'2 step\(s\) of another mechanism.*no ledger has charged'
     with pytest.raises(ValueError, match=refusal):
@@ -340,6 +346,35 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
         ledger.record_steps(2)
     assert ledger.steps == 3
     assert int(dp.optimizer.iterations) == 0  # A ran no step.
+
+
+@markers.needs_tf_privacy_optimizers
+def test_a_history_continued_through_states_goes_back_to_a_mechanism():
+    # A, then B's steps charged by a ledger continuing A's history that
+    # only read the model, then back to A with a ledger continuing that one:
+    # the state taken from it holds B's steps, so they are accounted (a
+    # mere reading leaves them unaccounted: this route was refused).
+    dp = _dp_optimizer_model()
+    optimizer_a = dp.optimizer
+    ledger_a = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=2), callbacks=[ledger_a], verbose=0)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        _config(noise_multiplier=0.3), learning_rate=0.1),
+        loss=tf.keras.losses.MeanSquaredError())
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=3, seed=2):
+        step(batch)
+    ledger_ab = PrivacyLedger.from_state(ledger_a.get_state(),
+                                         event=dp.dp_event(), verbose=0)
+    ledger_ab.set_model(dp)
+    assert ledger_ab.steps == 2 + 3
+    dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
+    ledger_aba = PrivacyLedger.from_state(ledger_ab.get_state(),
+                                          event=dp.dp_event(), verbose=0)
+    dp.fit(_data(steps=1, seed=3), callbacks=[ledger_aba], verbose=0)
+    assert ledger_aba.steps == 2 + 3 + 1
+    assert [segment['count'] for segment in
+            ledger_aba.get_state()['segments']] == [2, 3, 1]
 
 
 @markers.needs_tf_privacy_optimizers
@@ -363,17 +398,24 @@ def test_steps_of_a_cached_train_function_of_another_mechanism_stop_the_fit():
     assert ledger_a.steps == 3 + 1  # A's ledger charges A's step.
 
 
+def _fit_then_recompile(steps, config):
+    """A DP-optimizer model after `steps` steps under its ledger, then
+    recompiled with a new DP optimizer of `config`."""
+    dp = _dp_optimizer_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=steps), callbacks=[ledger], verbose=0)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        config, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError())
+    return dp, ledger
+
+
 @markers.needs_tf_privacy_optimizers
 def test_an_audit_on_a_stream_the_ledger_has_not_seen_is_not_charged():
     # An audit's trials draw keys but leave the weights as they were; on a
     # stream the ledger first sees after its first reading (a recompile
     # with a new optimizer of the same mechanism) they were charged as
     # steps (41 for 20 trials), raising epsilon for nothing.
-    dp = _dp_optimizer_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=3), callbacks=[ledger], verbose=0)
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        CONFIG, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError())
+    dp, ledger = _fit_then_recompile(3, CONFIG)
     auditing.audit_one_step(dp, (X[0], Y[0]), num_trials=5, delta=DELTA,
                             seed=0)
     dp.fit(_data(steps=2, seed=3), callbacks=[ledger], verbose=0)
@@ -384,12 +426,7 @@ def test_an_audit_on_a_stream_the_ledger_has_not_seen_is_not_charged():
 def test_a_ledger_reads_while_the_model_runs_a_non_private_optimizer():
     # A non_private config has no DP event: the ledger's reading must not
     # fail on it, nor charge its steps as the ledger's event.
-    dp = _dp_optimizer_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        _config(non_private=True), learning_rate=0.1),
-        loss=tf.keras.losses.MeanSquaredError())
+    dp, ledger = _fit_then_recompile(2, _config(non_private=True))
     step = tf.function(dp.train_step)
     for batch in _data(steps=1, seed=2):
         step(batch)

@@ -54,8 +54,9 @@ def test_a_step_finishing_during_a_reading_is_charged_later():
         stream = _StreamWithAConcurrentStep(at)
         model = types.SimpleNamespace(key_streams=[stream])
         counter = step_control.DrawnStepCounter()
-        charged[at] = sum(counter.new_steps(model, _EVENT).of_event
-                          for _ in range(8))
+        charged[at] = sum(
+            counter.new_steps(model, _EVENT, bound=True).of_event
+            for _ in range(8))
         assert stream.draws == 1
     # The one step that ran, whenever it finished (the bug: 0 for one).
     assert charged == {at: 1 for at in range(1, 7)}, charged

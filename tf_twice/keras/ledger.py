@@ -418,16 +418,27 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                     'this config (its n and rate), used once.', model.name)
 
     def get_state(self) -> Dict[str, Any]:
-        """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`)."""
+        """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`).
+
+        The model's steps it charged are then accounted (a ledger that
+        continues the state, `from_state`, holds them), as they are once
+        this ledger binds the weights; a reading of `epsilon` or `steps`
+        alone leaves them to the ledger that goes on."""
         with self._charge_lock:
-            self._sync()
+            self._sync_and_mark()
             return self._budget.get_state()
 
     def save(self, path: Optional[str] = None) -> None:
-        """Writes the exact state atomically to `path` (or `state_path`)."""
+        """Writes the exact state atomically to `path` (or `state_path`);
+        the model's steps it charged are then accounted, as by
+        `get_state`."""
         with self._charge_lock:
-            self._sync()
+            self._sync_and_mark()
             self._budget.save(path)
+
+    def _sync_and_mark(self) -> None:
+        self._sync()
+        self._drawn_steps.mark_accounted(self.event)
 
     # --- Keras hooks ------------------------------------------------------
 
@@ -451,6 +462,7 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                 self.model, self._budget.steps, self.event)
             ledger_binding.bind(self.model, self._budget)
             self._bound_model = self.model
+            self._drawn_steps.mark_accounted(self.event)
 
     def _charge_drawn_keys(self, in_fit: bool = False) -> bool:
         """Charges the steps of this ledger's event that a tf_twice DP model
@@ -468,7 +480,10 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             cannot charge them, so training must not go on.
         """
         with self._charge_lock:
-            drawn = self._drawn_steps.new_steps(self.model, self.event)
+            drawn = self._drawn_steps.new_steps(
+                self.model, self.event,
+                bound=self._bound_model is not None
+                and self._bound_model is self.model)
             if drawn is None:
                 return False
             self._charge_counted(drawn.of_event)

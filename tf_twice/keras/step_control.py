@@ -66,12 +66,18 @@ class DrawnStepCounter:
         self._counted: Dict[int, List[Any]] = {}
 
     def new_steps(self, model: tf.keras.Model,
-                  event: dp_accounting.DpEvent) -> Optional[DrawnSteps]:
+                  event: dp_accounting.DpEvent, *,
+                  bound: bool) -> Optional[DrawnSteps]:
         """Steps `model` ran since the last call; None without step keys.
 
-        The caller must charge the returned ``of_event`` steps: they are
-        marked as accounted on their streams. Steps of other events are
-        left unaccounted, for a ledger of their own event. Calls from
+        The caller must charge the returned ``of_event`` steps. If it is
+        ``bound`` to the model (its ledger accounts the weights,
+        `ledger_binding`), they are marked as accounted on their streams;
+        a ledger that only reads does not mark them (`mark_accounted` does
+        once it binds), so a ledger built just to look at a model's epsilon
+        does not make its steps another ledger's to report. Steps of other
+        events are left unaccounted, for a ledger of their own event. Calls
+        from
         several threads must be serialised, with the charge
         (`PrivacyLedger` holds its charge lock): then each drawn step is
         returned by exactly one call.
@@ -117,11 +123,21 @@ class DrawnStepCounter:
             entry[1], entry[2] = draws, exempt
             if keys.event == event:
                 of_event += executed
-                keys.accounted_draws = max(
-                    getattr(keys, 'accounted_draws', 0), draws)
             else:
                 of_other_events += executed
+        if bound:
+            self.mark_accounted(event)
         return DrawnSteps(of_event, of_other_events)
+
+    def mark_accounted(self, event: dp_accounting.DpEvent) -> None:
+        """Marks the draws counted so far on streams of ``event`` as
+        accounted: the ledger that counted them now accounts the weights,
+        so a ledger seeing these streams for the first time does not charge
+        them again, and one of another event no longer refuses them."""
+        for keys, counted, _ in self._counted.values():
+            if keys.event == event:
+                keys.accounted_draws = max(
+                    getattr(keys, 'accounted_draws', 0), counted)
 
 
 def _exempt(keys: Any) -> int:
@@ -145,7 +161,9 @@ def check_no_uncharged_steps_of_other_mechanisms(
         raise ValueError(
             f'{uncharged} step(s) of another mechanism (a DP optimizer '
             f'replaced since) ran on {model.name} and no ledger has '
-            'charged them; this ledger cannot account them, nor more steps '
+            'charged them for the weights (a ledger that only read them, '
+            'e.g. its epsilon, has not); this ledger cannot account them, '
+            'nor more steps '
             'of these weights. Charge them under their own event first: '
             'with the model compiled with that optimizer, '
             'PrivacyLedger.from_state(ledger.get_state(), '

@@ -151,10 +151,12 @@ class StepKeys:
             # (the ledger counts steps with it).
             self._draws = tf.Variable(0, dtype=tf.int64, trainable=False,
                                       name='step_keys_draws')
-        # Draws that some ledger has charged (or that are exempt, e.g. the
-        # trials of an audit, whose weights are restored): a ledger seeing
-        # this stream for the first time charges every draw after it, so
-        # steps that ran before any ledger saw the model are not lost.
+        # Draws that some ledger accounts (charged, then bound to the
+        # weights or taken in its state; `PrivacyLedger`) or that are
+        # exempt (the trials of an audit, whose weights are restored): a
+        # ledger seeing this stream for the first time charges every draw
+        # after it, so steps that ran before any ledger saw the model are
+        # not lost.
         self.accounted_draws = 0
         # Of those, draws whose steps the weights do not hold (an audit's
         # trials): a ledger need not cover them.
