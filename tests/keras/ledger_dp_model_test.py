@@ -521,6 +521,30 @@ def test_a_custom_loop_is_told_that_its_input_is_not_checked(caplog):
     assert ledger.steps == 2
 
 
+def test_logical_batches_check_a_custom_loops_input_and_charge_its_steps(
+        caplog):
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, max_steps=3)
+    caplog.set_level(logging.WARNING)
+    step = tf.function(dp.train_step)
+    for batch in ledger.logical_batches(_data(steps=5)):
+        step(batch)
+    # Stopped before the step max_steps would exceed; the input was
+    # checked, so the loop is not told otherwise.
+    assert ledger.steps == int(dp.steps_taken) == 3
+    assert not [r for r in caplog.records if 'custom loop' in r.getMessage()]
+    shuffled = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(64).batch(16)
+    with pytest.raises(ValueError, match='not recognised as'):
+        next(iter(PrivacyLedger.for_model(dp, delta=DELTA).logical_batches(
+            shuffled)))
+    other_rate = sampling.poisson_batches(X, Y, physical_batch_size=8,
+                                          example_sampling_rate=0.5, steps=1)
+    with pytest.raises(ValueError, match='example_sampling_rate'):
+        next(iter(ledger.logical_batches(other_rate)))
+    with pytest.raises(ValueError, match='for_model'):
+        next(iter(PrivacyLedger(EVENT, DELTA).logical_batches(_data())))
+
+
 def test_new_ledger_refuses_steps_another_ledger_charged_before_a_recompile():
     # The recompile's fresh optimizer starts its step count at 0, so only
     # the step keys show that the weights hold the first ledger's steps.

@@ -72,7 +72,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import (Any, Dict, Iterator, List, Mapping, Optional, Sequence,
+                    Tuple)
 
 import dp_accounting
 import numpy as np
@@ -241,6 +242,8 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         self._charge_lock = threading.RLock()
         # The model whose weights a custom loop's reserve or record checked.
         self._loop_checked_model = None
+        # The model whose custom-loop input `logical_batches` checked.
+        self._loop_input_checked_model = None
         # The model this ledger checked and bound to its run: each charge
         # updates its `ledger_binding`.
         self._bound_model = None
@@ -408,14 +411,54 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         if model is not None and self._loop_checked_model is not model:
             self._check_weights_covered()
             self._loop_checked_model = model
-            if self._verbose and getattr(model, 'key_streams', None):
+            if (self._verbose and getattr(model, 'key_streams', None)
+                    and self._loop_input_checked_model is not model):
                 _LOGGER.warning(
                     'PrivacyLedger: %s runs a custom loop, whose input this '
                     'ledger cannot see: its steps are charged as the '
                     'event\'s Poisson-sampled logical batches, so the '
                     'epsilon holds only if every batch given to train_step '
                     'is one of tf_twice.sampling.poisson_batches(...) for '
-                    'this config (its n and rate), used once.', model.name)
+                    'this config (its n and rate), used once; iterate '
+                    'ledger.logical_batches(batches) to have it checked.',
+                    model.name)
+
+    def logical_batches(self, batches: Any) -> Iterator[Any]:
+        """A custom loop's steps, as `fit` runs them: yields each logical
+        batch of ``batches`` after reserving its step, and records it after
+        the loop body ran (write-ahead, `reserve_steps`).
+
+            for batch in ledger.logical_batches(poisson_batches(...)):
+                model.train_step(batch)
+
+        ``batches`` must be `tf_twice.sampling.poisson_batches` of the
+        model's config (its n and q1), checked before the first step as
+        `fit` checks its input; the ledger cannot check what a loop gives
+        `train_step` otherwise. Stops early when the next step would exceed
+        `target_epsilon` or `max_steps`.
+
+        Raises:
+          ValueError: no model (`for_model` or `set_model`), a model
+            without a config, or input not known to be Poisson-sampled for
+            it.
+        """
+        model = getattr(self, 'model', None)
+        config = getattr(model, 'config', None)
+        if config is None:
+            raise ValueError(
+                'logical_batches needs the tf_twice DP model whose steps it '
+                'accounts: build the ledger with PrivacyLedger.for_model('
+                'model, ...) or call ledger.set_model(model) first.')
+        guards.check_poisson_input(
+            batches, example_sampling_rate=config.example_sampling_rate,
+            num_examples=config.num_examples)
+        self._loop_input_checked_model = model
+        for batch in batches:
+            if not self.can_take(1):
+                return
+            self.reserve_steps(1)
+            yield batch
+            self.record_steps(1)
 
     def get_state(self) -> Dict[str, Any]:
         """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`).
