@@ -31,7 +31,8 @@ Guarantees:
   add up (cut, or its steps edited), or whose history digest is not its
   segments', is refused (`tf_twice.accounting.ledger_state`). Custom loops
   get the same write-ahead from `reserve_steps` before their steps and
-  `record_steps` after them.
+  `record_steps` after them, or from iterating `logical_batches(batches)`,
+  which also checks their input as `fit` does.
 * **Covers the weights.** Before the first step of every `fit` (and a
   custom loop's first `reserve_steps`/`record_steps`), a DP model is
   refused whose weights hold steps this ledger does not account: more
@@ -61,6 +62,10 @@ after it). With `log_dir`, the ledger also writes the scalar
 Steps are counted, for a tf_twice DP model, by its step keys
 (`tf_twice.keras.step_control`), at the ledger's next hook or reading (its
 `steps`, `epsilon`, `get_state`, `save`...), so no step that ran is missed.
+They become accounted (no other ledger need charge them, nor a ledger of
+another mechanism refuse them) once the ledger binds the weights (`fit`, a
+custom loop) or its state is taken (`get_state`, `save`): a ledger that
+only reads them leaves them to the one that goes on.
 Other models are charged in `on_train_batch_begin`, before their steps run
 (`steps_per_execution` steps each time; on Keras 3 a final execution that
 runs fewer is charged whole); their custom loops call `record_steps`.
