@@ -310,10 +310,11 @@ def _install_optimizer(dp, optimizer, route):
 
 @markers.needs_tf_privacy_optimizers
 @pytest.mark.parametrize('other, route, read', [
-    ('less_noise', 'recompiled', False), ('non_private', 'recompiled', False),
-    ('less_noise', 'assigned', False),
-    ('less_noise', 'after_a_failed_compile', False),
-    ('less_noise', 'recompiled', True)])
+    ('less_noise', 'recompiled', None), ('non_private', 'recompiled', None),
+    ('less_noise', 'assigned', None),
+    ('less_noise', 'after_a_failed_compile', None),
+    ('less_noise', 'recompiled', 'epsilon'),
+    ('less_noise', 'recompiled', 'state')])
 def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
         other, route, read):
     # A ledger that charged more steps than ran (here recorded without a
@@ -322,7 +323,8 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
     # still refuse it, in a fit and in a custom loop, however B was
     # installed and replaced (B's stream was once dropped when no
     # successful recompile replaced it), also after a ledger of B built
-    # just to read B's epsilon (its reading once made B's steps its own).
+    # just to read B's epsilon or its state (its reading once made B's
+    # steps its own, though it never bound the weights).
     dp = _dp_optimizer_model()
     optimizer_a = dp.optimizer
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
@@ -335,9 +337,10 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
     step = tf.function(dp.train_step)
     for batch in _data(steps=2, seed=2):
         step(batch)
-    if read:
-        assert PrivacyLedger.for_model(dp, delta=DELTA,
-                                       verbose=0).epsilon > 0
+    if read is not None:
+        reader = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+        assert (reader.epsilon > 0 if read == 'epsilon' else
+                reader.get_state()['steps'] == 2)
     _install_optimizer(dp, optimizer_a, route)
     refusal = r'2 step\(s\) of another mechanism.*no ledger has charged'
     with pytest.raises(ValueError, match=refusal):
@@ -351,9 +354,8 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
 @markers.needs_tf_privacy_optimizers
 def test_a_history_continued_through_states_goes_back_to_a_mechanism():
     # A, then B's steps charged by a ledger continuing A's history that
-    # only read the model, then back to A with a ledger continuing that one:
-    # the state taken from it holds B's steps, so they are accounted (a
-    # mere reading leaves them unaccounted: this route was refused).
+    # binds the weights without training, then back to A with a ledger
+    # continuing that one: B's steps are accounted in its history.
     dp = _dp_optimizer_model()
     optimizer_a = dp.optimizer
     ledger_a = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
@@ -366,7 +368,7 @@ def test_a_history_continued_through_states_goes_back_to_a_mechanism():
         step(batch)
     ledger_ab = PrivacyLedger.from_state(ledger_a.get_state(),
                                          event=dp.dp_event(), verbose=0)
-    ledger_ab.set_model(dp)
+    ledger_ab.bind_model(dp)
     assert ledger_ab.steps == 2 + 3
     dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
     ledger_aba = PrivacyLedger.from_state(ledger_ab.get_state(),
@@ -375,6 +377,34 @@ def test_a_history_continued_through_states_goes_back_to_a_mechanism():
     assert ledger_aba.steps == 2 + 3 + 1
     assert [segment['count'] for segment in
             ledger_aba.get_state()['segments']] == [2, 3, 1]
+
+
+@markers.needs_tf_privacy_optimizers
+def test_a_custom_loop_checks_the_weights_again_after_another_mechanism():
+    # A's custom loop, B's steps charged by a ledger continuing A's history,
+    # back to A: A's ledger must refuse to go on (its epsilon leaves out
+    # B's steps). It checked the weights at its first record only, so it
+    # went on reporting A's steps alone.
+    dp = _dp_optimizer_model()
+    optimizer_a = dp.optimizer
+    ledger_a = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    step = tf.function(dp.train_step)
+    for batch in ledger_a.logical_batches(_data(steps=2)):
+        step(batch)
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        _config(noise_multiplier=0.3), learning_rate=0.1),
+        loss=tf.keras.losses.MeanSquaredError())
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=3, seed=2):
+        step(batch)
+    assert ledger_a.steps == 2
+    ledger_ab = PrivacyLedger.from_state(ledger_a.get_state(),
+                                         event=dp.dp_event(), verbose=0)
+    ledger_ab.bind_model(dp)
+    dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
+    with pytest.raises(ValueError, match=r'run 5 DP steps.*charged only 2'):
+        ledger_a.reserve_steps(1)
+    assert ledger_a.steps == 2
 
 
 @markers.needs_tf_privacy_optimizers

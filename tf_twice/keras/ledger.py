@@ -64,8 +64,8 @@ Steps are counted, for a tf_twice DP model, by its step keys
 `steps`, `epsilon`, `get_state`, `save`...), so no step that ran is missed.
 They become accounted (no other ledger need charge them, nor a ledger of
 another mechanism refuse them) once the ledger binds the weights (`fit`, a
-custom loop) or its state is taken (`get_state`, `save`): a ledger that
-only reads them leaves them to the one that goes on.
+custom loop, `bind_model`): a ledger that only reads them, its state too,
+leaves them to the one that goes on.
 Other models are charged in `on_train_batch_begin`, before their steps run
 (`steps_per_execution` steps each time; on Keras 3 a final execution that
 runs fewer is charged whole); their custom loops call `record_steps`.
@@ -411,10 +411,13 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
     def _check_custom_loop_model(self) -> None:
         """`fit` checks at its start that this ledger covers the weights;
-        a custom loop's first reserve or record does it here."""
+        a custom loop's first reserve or record does it here, and every one
+        while the ledger is not bound to the model (e.g. after steps of
+        another mechanism ran)."""
         model = getattr(self, 'model', None)
-        if model is not None and self._loop_checked_model is not model:
+        if model is not None and self._bound_model is not model:
             self._check_weights_covered()
+        if model is not None and self._loop_checked_model is not model:
             self._loop_checked_model = model
             if (self._verbose and getattr(model, 'key_streams', None)
                     and self._loop_input_checked_model is not model):
@@ -466,27 +469,33 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             self.record_steps(1)
 
     def get_state(self) -> Dict[str, Any]:
-        """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`).
-
-        The model's steps it charged are then accounted (a ledger that
-        continues the state, `from_state`, holds them), as they are once
-        this ledger binds the weights; a reading of `epsilon` or `steps`
-        alone leaves them to the ledger that goes on."""
+        """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`)."""
         with self._charge_lock:
-            self._sync_and_mark()
+            self._sync()
             return self._budget.get_state()
 
     def save(self, path: Optional[str] = None) -> None:
-        """Writes the exact state atomically to `path` (or `state_path`);
-        the model's steps it charged are then accounted, as by
-        `get_state`."""
+        """Writes the exact state atomically to `path` (or `state_path`)."""
         with self._charge_lock:
-            self._sync_and_mark()
+            self._sync()
             self._budget.save(path)
 
-    def _sync_and_mark(self) -> None:
-        self._sync()
-        self._drawn_steps.mark_accounted(self.event)
+    def bind_model(self, model: tf.keras.Model) -> None:
+        """Takes `model` as this ledger's and checks, as `fit` does before
+        its first step, that this ledger accounts every step its weights
+        hold, then binds them to its history: the steps it charged are then
+        accounted. A ledger that continues another's history
+        (`from_state`) under another mechanism does this to take the steps
+        it charged for the weights without training (a ledger that only
+        reads, even its state, leaves them to the ledger that goes on).
+
+        Raises:
+          ValueError: the weights hold steps this ledger does not account.
+        """
+        self.set_model(model)
+        with self._charge_lock:
+            self._charge_drawn_keys()
+            self._check_weights_covered()
 
     # --- Keras hooks ------------------------------------------------------
 
@@ -544,8 +553,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                     'epsilon does not cover them. With the model compiled '
                     'with that optimizer, PrivacyLedger.from_state('
                     'ledger.get_state(), event=model.dp_event()) charges '
-                    'them once it sees the model (set_model(model), or '
-                    'fit) and composes them with this ledger\'s steps.')
+                    'them once it binds the model (bind_model(model), a fit '
+                    'or a custom loop) and composes them with this '
+                    'ledger\'s steps.')
                 if in_fit:
                     self.model.stop_training = True
                     raise ValueError(

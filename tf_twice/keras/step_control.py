@@ -162,13 +162,15 @@ def check_no_uncharged_steps_of_other_mechanisms(
             f'{uncharged} step(s) of another mechanism (a DP optimizer '
             f'replaced since) ran on {model.name} and no ledger has '
             'charged them for the weights (a ledger that only read them, '
-            'e.g. its epsilon, has not); this ledger cannot account them, '
+            'its epsilon or its state, has not); this ledger cannot account '
+            'them, '
             'nor more steps '
             'of these weights. Charge them under their own event first: '
             'with the model compiled with that optimizer, '
             'PrivacyLedger.from_state(ledger.get_state(), '
             'event=model.dp_event()) composes them with this ledger\'s '
-            'steps once it sees the model (set_model(model), or fit).')
+            'steps once it binds the model (bind_model(model), a fit or a '
+            'custom loop).')
 
 
 def check_weights_covered(model: tf.keras.Model, charged: int,
