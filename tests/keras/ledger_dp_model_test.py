@@ -50,6 +50,18 @@ def _dp_optimizer_model(config=CONFIG, **optimizer_kwargs):
     return model
 
 
+def _steps_under(dp, config, *, steps, seed=2):
+    """Recompiles `dp` with a new DP optimizer of `config` and runs
+    `steps` of its steps outside any ledger (a custom loop); returns the
+    optimizer."""
+    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        config, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError())
+    step = tf.function(dp.train_step)
+    for batch in _data(steps=steps, seed=seed):
+        step(batch)
+    return dp.optimizer
+
+
 def _plain_model_with_dp_optimizer():
     model = _model()
     model.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
@@ -244,12 +256,7 @@ def test_steps_of_another_mechanism_stop_a_fit_the_ledger_watches():
     dp = _dp_optimizer_model()
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, max_steps=5, verbose=0)
     dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        _config(noise_multiplier=0.5), learning_rate=0.1),
-        loss=tf.keras.losses.MeanSquaredError())
-    step = tf.function(dp.train_step)
-    for batch in _data(steps=1, seed=2):
-        step(batch)
+    _steps_under(dp, _config(noise_multiplier=0.5), steps=1)
     with pytest.raises(ValueError, match='during a fit.*training stopped'):
         ledger.on_train_batch_end(0)
     assert dp.stop_training
@@ -268,13 +275,7 @@ def test_steps_of_a_replaced_dp_optimizer_of_another_mechanism_are_not_its():
     optimizer_a = dp.optimizer
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        _config(noise_multiplier=0.3), learning_rate=0.1),
-        loss=tf.keras.losses.MeanSquaredError())
-    optimizer_b = dp.optimizer
-    step = tf.function(dp.train_step)
-    for batch in _data(steps=3, seed=2):
-        step(batch)
+    optimizer_b = _steps_under(dp, _config(noise_multiplier=0.3), steps=3)
     dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
     assert ledger.steps == 2
     with pytest.raises(ValueError, match=r'3 step\(s\) of another '
@@ -360,12 +361,7 @@ def test_a_history_continued_through_states_goes_back_to_a_mechanism():
     optimizer_a = dp.optimizer
     ledger_a = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     dp.fit(_data(steps=2), callbacks=[ledger_a], verbose=0)
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        _config(noise_multiplier=0.3), learning_rate=0.1),
-        loss=tf.keras.losses.MeanSquaredError())
-    step = tf.function(dp.train_step)
-    for batch in _data(steps=3, seed=2):
-        step(batch)
+    _steps_under(dp, _config(noise_multiplier=0.3), steps=3)
     ledger_ab = PrivacyLedger.from_state(ledger_a.get_state(),
                                          event=dp.dp_event(), verbose=0)
     ledger_ab.bind_model(dp)
@@ -391,12 +387,7 @@ def test_a_custom_loop_checks_the_weights_again_after_another_mechanism():
     step = tf.function(dp.train_step)
     for batch in ledger_a.logical_batches(_data(steps=2)):
         step(batch)
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        _config(noise_multiplier=0.3), learning_rate=0.1),
-        loss=tf.keras.losses.MeanSquaredError())
-    step = tf.function(dp.train_step)
-    for batch in _data(steps=3, seed=2):
-        step(batch)
+    _steps_under(dp, _config(noise_multiplier=0.3), steps=3)
     assert ledger_a.steps == 2
     ledger_ab = PrivacyLedger.from_state(ledger_a.get_state(),
                                          event=dp.dp_event(), verbose=0)
@@ -480,12 +471,7 @@ def test_steps_of_a_replaced_dp_optimizer_are_charged():
     assert ledger.steps == 3 + 2
     # An optimizer the ledger never saw: compiled, used in a custom loop,
     # replaced. The model keeps its key stream, so its steps are charged.
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        CONFIG, learning_rate=0.05),
-        loss=tf.keras.losses.MeanSquaredError())
-    step = tf.function(dp.train_step)
-    for batch in _data(steps=3, seed=3):
-        step(batch)
+    _steps_under(dp, CONFIG, steps=3, seed=3)
     dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
         CONFIG, learning_rate=0.05),
         loss=tf.keras.losses.MeanSquaredError())
