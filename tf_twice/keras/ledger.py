@@ -447,8 +447,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
 
         Raises:
           ValueError: no model (`for_model` or `set_model`), a model
-            without a config, or input not known to be Poisson-sampled for
-            it.
+            without a config, a model on several replicas (`fit` splits
+            each logical batch over them; this loop cannot), or input not
+            known to be Poisson-sampled for it.
         """
         model = getattr(self, 'model', None)
         config = getattr(model, 'config', None)
@@ -457,6 +458,17 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                 'logical_batches needs the tf_twice DP model whose steps it '
                 'accounts: build the ledger with PrivacyLedger.for_model('
                 'model, ...) or call ledger.set_model(model) first.')
+        replicas = getattr(getattr(model, 'distribute_strategy', None),
+                           'num_replicas_in_sync', 1)
+        if replicas > 1:
+            raise ValueError(
+                f'logical_batches yields whole logical batches, but '
+                f'{model.name} runs on {replicas} replicas: strategy.run '
+                'would give each replica the whole batch and sum every '
+                'example once per replica. Train with fit, which splits each '
+                'logical batch over the replicas, or split them yourself '
+                '(experimental_distribute_dataset) around reserve_steps and '
+                'record_steps.')
         guards.check_poisson_input(
             batches, example_sampling_rate=config.example_sampling_rate,
             num_examples=config.num_examples)
