@@ -57,10 +57,23 @@ def _steps_under(dp, config, *, steps, seed=2):
     optimizer."""
     dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
         config, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError())
-    step = tf.function(dp.train_step)
-    for batch in _data(steps=steps, seed=seed):
-        step(batch)
+    if steps:
+        step = tf.function(dp.train_step)
+        for batch in _data(steps=steps, seed=seed):
+            step(batch)
     return dp.optimizer
+
+
+def _a_then_steps_under(config, *, fit_steps, steps):
+    """A DP-optimizer model (optimizer A) after `fit_steps` steps under
+    its ledger, then `steps` of a new DP optimizer of `config` outside any
+    ledger (`_steps_under`); returns the model, the ledger and A."""
+    dp = _dp_optimizer_model()
+    optimizer_a = dp.optimizer
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=fit_steps), callbacks=[ledger], verbose=0)
+    _steps_under(dp, config, steps=steps)
+    return dp, ledger, optimizer_a
 
 
 def _plain_model_with_dp_optimizer():
@@ -272,11 +285,9 @@ def test_steps_of_a_replaced_dp_optimizer_of_another_mechanism_are_not_its():
     # charged as A's (they were: epsilon under-reported). The weights then
     # hold steps this ledger did not charge, so it refuses more; a ledger
     # of B's mechanism charges them.
-    dp = _dp_optimizer_model()
-    optimizer_a = dp.optimizer
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
-    optimizer_b = _steps_under(dp, _config(noise_multiplier=0.3), steps=3)
+    dp, ledger, optimizer_a = _a_then_steps_under(
+        _config(noise_multiplier=0.3), fit_steps=2, steps=3)
+    optimizer_b = dp.optimizer
     dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
     assert ledger.steps == 2
     with pytest.raises(ValueError, match=r'3 step\(s\) of another '
@@ -358,11 +369,8 @@ def test_a_history_continued_through_states_goes_back_to_a_mechanism():
     # A, then B's steps charged by a ledger continuing A's history that
     # binds the weights without training, then back to A with a ledger
     # continuing that one: B's steps are accounted in its history.
-    dp = _dp_optimizer_model()
-    optimizer_a = dp.optimizer
-    ledger_a = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=2), callbacks=[ledger_a], verbose=0)
-    _steps_under(dp, _config(noise_multiplier=0.3), steps=3)
+    dp, ledger_a, optimizer_a = _a_then_steps_under(
+        _config(noise_multiplier=0.3), fit_steps=2, steps=3)
     ledger_ab = PrivacyLedger.from_state(ledger_a.get_state(),
                                          event=dp.dp_event(), verbose=0)
     ledger_ab.bind_model(dp)
@@ -420,24 +428,13 @@ def test_steps_of_a_cached_train_function_of_another_mechanism_stop_the_fit():
     assert ledger_a.steps == 3 + 1  # A's ledger charges A's step.
 
 
-def _fit_then_recompile(steps, config):
-    """A DP-optimizer model after `steps` steps under its ledger, then
-    recompiled with a new DP optimizer of `config`."""
-    dp = _dp_optimizer_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=steps), callbacks=[ledger], verbose=0)
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        config, learning_rate=0.1), loss=tf.keras.losses.MeanSquaredError())
-    return dp, ledger
-
-
 @markers.needs_tf_privacy_optimizers
 def test_an_audit_on_a_stream_the_ledger_has_not_seen_is_not_charged():
     # An audit's trials draw keys but leave the weights as they were; on a
     # stream the ledger first sees after its first reading (a recompile
     # with a new optimizer of the same mechanism) they were charged as
     # steps (41 for 20 trials), raising epsilon for nothing.
-    dp, ledger = _fit_then_recompile(3, CONFIG)
+    dp, ledger, _ = _a_then_steps_under(CONFIG, fit_steps=3, steps=0)
     auditing.audit_one_step(dp, (X[0], Y[0]), num_trials=5, delta=DELTA,
                             seed=0)
     dp.fit(_data(steps=2, seed=3), callbacks=[ledger], verbose=0)
@@ -448,10 +445,8 @@ def test_an_audit_on_a_stream_the_ledger_has_not_seen_is_not_charged():
 def test_a_ledger_reads_while_the_model_runs_a_non_private_optimizer():
     # A non_private config has no DP event: the ledger's reading must not
     # fail on it, nor charge its steps as the ledger's event.
-    dp, ledger = _fit_then_recompile(2, _config(non_private=True))
-    step = tf.function(dp.train_step)
-    for batch in _data(steps=1, seed=2):
-        step(batch)
+    dp, ledger, _ = _a_then_steps_under(_config(non_private=True),
+                                        fit_steps=2, steps=1)
     assert ledger.steps == 2
 
 

@@ -415,9 +415,11 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         while the ledger is not bound to the model (e.g. after steps of
         another mechanism ran)."""
         model = getattr(self, 'model', None)
-        if model is not None and self._bound_model is not model:
+        if model is None:
+            return
+        if self._bound_model is not model:
             self._check_weights_covered()
-        if model is not None and self._loop_checked_model is not model:
+        if self._loop_checked_model is not model:
             self._loop_checked_model = model
             if (self._verbose and getattr(model, 'key_streams', None)
                     and self._loop_input_checked_model is not model):

@@ -77,8 +77,7 @@ class DrawnStepCounter:
         once it binds), so a ledger built just to look at a model's epsilon
         does not make its steps another ledger's to report. Steps of other
         events are left unaccounted, for a ledger of their own event. Calls
-        from
-        several threads must be serialised, with the charge
+        from several threads must be serialised, with the charge
         (`PrivacyLedger` holds its charge lock): then each drawn step is
         returned by exactly one call.
 
@@ -163,9 +162,8 @@ def check_no_uncharged_steps_of_other_mechanisms(
             f'replaced since) ran on {model.name} and no ledger has '
             'charged them for the weights (a ledger that only read them, '
             'its epsilon or its state, has not); this ledger cannot account '
-            'them, '
-            'nor more steps '
-            'of these weights. Charge them under their own event first: '
+            'them, nor more steps of these weights. Charge them under their '
+            'own event first: '
             'with the model compiled with that optimizer, '
             'PrivacyLedger.from_state(ledger.get_state(), '
             'event=model.dp_event()) composes them with this ledger\'s '

@@ -152,8 +152,7 @@ class StepKeys:
             self._draws = tf.Variable(0, dtype=tf.int64, trainable=False,
                                       name='step_keys_draws')
         # Draws that some ledger accounts (charged, then bound to the
-        # weights or taken in its state; `PrivacyLedger`) or that are
-        # exempt (the trials of an audit, whose weights are restored): a
+        # weights; `PrivacyLedger`) or that are exempt (the trials of an audit, whose weights are restored): a
         # ledger seeing this stream for the first time charges every draw
         # after it, so steps that ran before any ledger saw the model are
         # not lost.
