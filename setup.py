@@ -24,6 +24,10 @@ versions"): Python 3.10 to 3.13, TensorFlow 2.15.1 to 2.21.x.
   import under protobuf 4 and 5 (TensorFlow 2.15's); 1.17.2 and 1.17.3 import
   under protobuf 4.25 to 7, and 1.17.3 also installs on Python 3.10 next to
   protobuf 6.
+* kymatio (the `features` extra, also in `examples` and `test`) computes the
+  ScatterNet features of tf_twice.features. Its last release, 0.3.0, imports
+  scipy's sph_harm, which scipy 1.17 removed; tf_twice.features defines it
+  from sph_harm_y before importing kymatio.
 """
 
 import setuptools
@@ -40,6 +44,10 @@ INSTALL_REQUIRES = [
     'scikit-learn>=1.0,<2',  # The training script's default dataset.
 ]
 
+# kymatio's Scattering2D for the ScatterNet features (tf_twice.features); 0.3.0
+# is its last release (tf_twice.features shims its scipy import).
+_KYMATIO = ['kymatio==0.3.0']
+
 # tensorflow-datasets and the tensorflow-metadata that imports under every
 # supported protobuf (see the module docstring).
 _TFDS = [
@@ -53,10 +61,12 @@ EXTRAS_REQUIRE = {
         'pytest-xdist>=3.5',
         'mpmath>=1.3',
         'matplotlib>=3.7',  # The reproduction tests draw the figures.
-    ] + _TFDS,
+    ] + _TFDS + _KYMATIO,
     'examples': [
         'matplotlib>=3.7',
-    ] + _TFDS,
+    ] + _TFDS + _KYMATIO,
+    # The ScatterNet features of tf_twice.features (see _KYMATIO).
+    'features': _KYMATIO,
     # The optimizer classes of tf_twice.optimizers: tensorflow-privacy on
     # the last TensorFlow with Keras 2.
     'tf-privacy': [

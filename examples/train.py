@@ -23,9 +23,33 @@ Modes (`--mode`):
   clip (the residual as in `twice`, principal blocks per `--principal_d0`)
   and noise multiplier (optimised for `--target_epsilon`).
 
-Defaults (they finish in well under a minute on two CPU cores): twice
-sampling on digits with the small CNN, target epsilon 4, expected batch 128,
-q2 = 0.5, c2 = 1, d0 = 100, 40 epochs, SGD with learning rate 0.5.
+Recipes (`examples.training.recipes`): the dataset and `--features` pick
+the defaults of the mode, model, batch size, epochs, learning rate,
+momentum, l2 clip, target epsilon and physical batch size, printed at the
+start with any flag that overrides them (every flag does):
+
+* digits: twice sampling with the small CNN, target epsilon 4, expected
+  batch 128, q2 = 0.5, c2 = 1, d0 = 100, 40 epochs, SGD with learning rate
+  0.5 (well under a minute on two CPU cores);
+* fashion_mnist: Tramer & Boneh's end-to-end recipe (ICLR 2021): DP-SGD,
+  tanh CNN, expected batch 2,048, learning rate 4, momentum 0.9, c2 = 0.1,
+  40 epochs (1,160 steps), epsilon 3;
+* fashion_mnist with `--features=scattering`: their ScatterNet + linear
+  recipe: DP-SGD, linear model on the 81 x 7 x 7 scattering coefficients
+  (normalised per example in 27 groups), expected batch 8,192, learning
+  rate 16, momentum 0.9, c2 = 0.1, 40 epochs (280 steps), epsilon 3;
+* every other dataset: the digits recipe.
+
+Features: `--features=scattering` trains on ScatterNet coefficients
+(`tf_twice.features`, kymatio's Scattering2D with J = 2: 81 x H/4 x W/4 per
+channel) instead of the images. The transform is fixed, so applying it to
+each private image costs no privacy; it is computed once (about 80 s for
+Fashion-MNIST on two cores) and cached under ~/.cache/tf_twice/features
+(or TF_TWICE_CACHE_DIR). Needs `pip install -e ".[features]"`.
+
+Validation: `--validation_examples` holds out that many private training
+examples (a fixed subset, the same for every seed) and reports their
+accuracy: tune on it, never on the test split.
 
 Privacy: the private modes feed Poisson-sampled logical batches
 (`tf_twice.sampling.poisson_batches`) to the model, and a
@@ -42,7 +66,7 @@ noise). A noise stream whose seed is known can be recomputed and subtracted,
 so a seeded run is for experiments only; leave `--seed` unset (OS entropy)
 for a release that relies on the guarantee.
 
-Learning rate: `--learning_rate` (default 0.5) is constant unless
+Learning rate: `--learning_rate` (the recipe's) is constant unless
 `--lr_schedule` is `cosine` (cosine decay to `--lr_min_fraction` of it,
 default 0, over `--lr_decay_steps` steps, default the planned steps) or
 `step` (multiplied by `--lr_decay_rate`, default 0.1, every
@@ -94,12 +118,11 @@ other warning, the privacy ledger's included, is shown.
 Run (the default: twice sampling on digits at epsilon 4):
 
   python examples/train.py
+  python examples/train.py --dataset=fashion_mnist --features=scattering
   python examples/train.py --mode=dpsgd --target_epsilon=2 --epochs=20
   python examples/train.py --mode=hybrid --ranks=16 --public_examples=200
   python examples/train.py --lr_schedule=cosine --learning_rate=1
-  python examples/train.py --dataset=fashion_mnist --model=tanh_cnn \
-      --batch_size=2048 --steps=600 --learning_rate=4 --momentum=0.9 \
-      --l2_norm_clip=0.1 --target_epsilon=3
+  python examples/train.py --dataset=fashion_mnist --target_epsilon=1
   python examples/train.py --dataset=npz --data_path=my_images.npz
   python examples/train.py --dataset=cifar10 --batch_size=500 \
       --coordinate_sampling_rate=0.5 --d0=100 --model=resnet22 --steps=2500
@@ -130,16 +153,14 @@ from examples.training import console
 from examples.training import runner
 from examples.training import settings
 from examples.training.data import DataUnavailableError
+from examples.training.recipes import DIGITS
 from examples.training.settings import BUDGET_SPLITS
-from examples.training.settings import DEFAULT_BATCH_SIZE
 from examples.training.settings import DEFAULT_BUDGET_QUANTILE
 from examples.training.settings import DEFAULT_COORDINATE_SAMPLING_RATE
 from examples.training.settings import DEFAULT_D0
-from examples.training.settings import DEFAULT_EPOCHS
 from examples.training.settings import DEFAULT_LR_DECAY_RATE
 from examples.training.settings import DEFAULT_PUBLIC_EXAMPLES
 from examples.training.settings import DEFAULT_RANKS
-from examples.training.settings import DEFAULT_TARGET_EPSILON
 from examples.training.settings import NOISE_OBJECTIVES
 from examples.training.settings import TrainConfig
 from tf_twice import datasets
@@ -151,35 +172,50 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Defines the command-line flags (one per `TrainConfig` field)."""
     defaults = TrainConfig()
     fv = dict(flag_values=flag_values)
-    flags.DEFINE_enum('mode', defaults.mode, settings.MODES, 'What to train.',
+    recipe = ' (default: the recipe\'s, printed at the start; digits: {})'
+    flags.DEFINE_enum('mode', None, settings.MODES,
+                      'What to train' + recipe.format(DIGITS.mode) + '.',
                       **fv)
     flags.DEFINE_enum('dataset', defaults.dataset, settings.DATASETS,
-                      'Dataset.', **fv)
+                      'Dataset; it selects the recipe (the defaults of the '
+                      'flags marked "recipe").', **fv)
+    flags.DEFINE_enum('features', defaults.features, settings.FEATURES,
+                      'none: train on the images; scattering: on their '
+                      'ScatterNet coefficients (tf_twice.features, cached '
+                      'on disk; needs the features extra).', **fv)
+    flags.DEFINE_integer('validation_examples', defaults.validation_examples,
+                         'Private training examples held out as a '
+                         'validation split (its accuracy is reported; tune '
+                         'on it, not on the test split).', **fv)
     flags.DEFINE_string('data_dir', None, 'fashion_mnist: the directory of '
                         'its idx files (default: TF_TWICE_FASHION_MNIST_DIR, '
                         f'else {datasets.DEFAULT_FASHION_MNIST_DIR}); '
                         'tensorflow-datasets: its data directory.', **fv)
     flags.DEFINE_string('data_path', None, 'npz: the .npz file (arrays '
                         'x_train, y_train, x_test, y_test).', **fv)
-    flags.DEFINE_enum('model', defaults.model, sorted(models.MODELS),
-                      'Model (tf_twice.models).', **fv)
+    flags.DEFINE_enum('model', None, sorted(models.MODELS),
+                      'Model (tf_twice.models)'
+                      + recipe.format(DIGITS.model) + '.', **fv)
     flags.DEFINE_float('target_epsilon', None,
                        'Epsilon to calibrate the noise to for the planned '
-                       f'steps (default {DEFAULT_TARGET_EPSILON:g} unless '
-                       '--noise_multiplier is given).', **fv)
+                       'steps, unless --noise_multiplier is given'
+                       + recipe.format(f'{DIGITS.target_epsilon:g}') + '.',
+                       **fv)
     flags.DEFINE_float('noise_multiplier', None,
                        'Noise multiplier z (instead of --target_epsilon).',
                        **fv)
     flags.DEFINE_float('delta', None, 'Delta; default: 1/n rounded down to '
                        'a power of ten, at most 1e-5.', **fv)
     flags.DEFINE_float('example_sampling_rate', None, 'Poisson rate q1.', **fv)
-    flags.DEFINE_float('batch_size', None, 'Expected batch size n * q1 '
-                       f'(default {DEFAULT_BATCH_SIZE}).', **fv)
+    flags.DEFINE_float('batch_size', None, 'Expected batch size n * q1'
+                       + recipe.format(f'{DIGITS.batch_size:g}') + '.', **fv)
     flags.DEFINE_float('coordinate_sampling_rate', None,
                        'Coordinate rate q2 (twice/hybrid; default '
                        f'{DEFAULT_COORDINATE_SAMPLING_RATE:g}).', **fv)
-    flags.DEFINE_float('l2_norm_clip', defaults.l2_norm_clip,
-                       'l2 clip c2 (hybrid: the global budget).', **fv)
+    flags.DEFINE_float('l2_norm_clip', None,
+                       'l2 clip c2, hybrid: the global budget'
+                       + recipe.format(f'{DIGITS.l2_norm_clip:g}') + '.',
+                       **fv)
     flags.DEFINE_float('linf_norm_clip', None, 'l-infinity clip c_inf.', **fv)
     flags.DEFINE_float('d0', None, 'c_inf = l2_norm_clip / sqrt(d0) '
                        f'(default {DEFAULT_D0:g}).', **fv)
@@ -199,13 +235,16 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       list(NOISE_OBJECTIVES),
                       'Hybrid, noise optimised per block: what it minimises '
                       '(tf_twice.hybrid.plan_blocks).', **fv)
-    flags.DEFINE_float('epochs', None, 'Epochs (1/q1 steps each; default '
-                       f'{DEFAULT_EPOCHS}).', **fv)
+    flags.DEFINE_float('epochs', None, 'Epochs of round(1/q1) steps'
+                       + recipe.format(f'{DIGITS.epochs:g}') + '.', **fv)
     flags.DEFINE_integer('steps', None, 'Steps (instead of --epochs).', **fv)
-    flags.DEFINE_integer('physical_batch_size', defaults.physical_batch_size,
-                         'Examples per vectorized chunk.', **fv)
-    flags.DEFINE_float('learning_rate', defaults.learning_rate,
-                       'Learning rate.', **fv)
+    flags.DEFINE_integer('physical_batch_size', None,
+                         'Examples per vectorized chunk'
+                         + recipe.format(DIGITS.physical_batch_size) + '.',
+                         **fv)
+    flags.DEFINE_float('learning_rate', None, 'Learning rate'
+                       + recipe.format(f'{DIGITS.learning_rate:g}') + '.',
+                       **fv)
     flags.DEFINE_enum('lr_schedule', defaults.lr_schedule,
                       settings.LR_SCHEDULES, 'Learning-rate schedule: '
                       'constant, cosine decay or step decay; it follows the '
@@ -218,7 +257,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        f'(default {DEFAULT_LR_DECAY_RATE:g}).', **fv)
     flags.DEFINE_float('lr_min_fraction', None, 'cosine: final learning rate '
                        'as a fraction of --learning_rate (default 0).', **fv)
-    flags.DEFINE_float('momentum', defaults.momentum, 'SGD momentum.', **fv)
+    flags.DEFINE_float('momentum', None, 'SGD momentum'
+                       + recipe.format(f'{DIGITS.momentum:g}') + '.', **fv)
     flags.DEFINE_enum('optimizer', defaults.optimizer, settings.OPTIMIZERS,
                       'Keras optimizer.', **fv)
     flags.DEFINE_integer('public_examples', None,

@@ -149,7 +149,8 @@ def test_build_model_by_name():
     model = models.build_model('small_cnn', input_shape=(8, 8, 1),
                                padding='same')
     assert model.name == 'small_cnn'
-    assert set(models.MODELS) == {'small_cnn', 'resnet22', 'tanh_cnn'}
+    assert set(models.MODELS) == {'small_cnn', 'resnet22', 'tanh_cnn',
+                                  'linear', 'feature_cnn'}
     assert models.build_model('tanh_cnn').name == 'tanh_cnn'
     with pytest.raises(ValueError, match='name'):
         models.build_model('resnet50')
@@ -197,3 +198,40 @@ def test_tanh_cnn_refuses_small_inputs_by_name():
         models.tanh_cnn((12, 12, 1))
     with pytest.raises(ValueError, match='input_shape'):
         models.tanh_cnn((8, 8, 1))
+
+
+@pytest.mark.parametrize('name, params', [('linear', 39700),
+                                          ('feature_cnn', 35498)])
+def test_feature_models_on_scattering_features(name, params):
+    # 81 x 7 x 7 ScatterNet features of a 28x28 image, 10 classes; the
+    # input normalisation has no parameters (affine=False in Tramer & Boneh).
+    model = models.build_model(name)
+    assert _num_trainable(model) == params
+    norm = model.get_layer('input_norm')
+    assert norm.groups == 27 and not norm.trainable_weights
+    guards.check_no_example_mixing(model)  # Raises for a mixing layer.
+
+
+@pytest.mark.parametrize('name', ['linear', 'feature_cnn'])
+def test_feature_models_normalise_each_example_alone(name):
+    # Per-example GroupNorm: an affine change of one example's features
+    # leaves its logits unchanged, and another example's do not move.
+    model = models.build_model(name)
+    x = np.random.default_rng(0).normal(size=(3, 7, 7, 81)).astype('float32')
+    logits = model(x).numpy()
+    scaled = x.copy()
+    scaled[0] *= 7.0
+    scaled[1] = 1e6 * scaled[1] + 3.0
+    # Up to the normalisation's epsilon (1e-3) added to the variance.
+    np.testing.assert_allclose(model(scaled).numpy()[0], logits[0],
+                               rtol=5e-3, atol=5e-3)
+    np.testing.assert_allclose(model(scaled).numpy()[2], logits[2],
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_feature_models_refuse_groups_that_do_not_divide_the_channels():
+    assert models.linear((28, 28, 1)).get_layer('input_norm').groups == 1
+    with pytest.raises(ValueError, match='groups'):
+        models.linear(groups=10)
+    with pytest.raises(ValueError, match='input_shape'):
+        models.feature_cnn((1, 7, 81))

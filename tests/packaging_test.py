@@ -27,8 +27,10 @@ DISTRIBUTIONS = {
     'tensorflow_privacy': 'tensorflow-privacy',
     'tensorflow_datasets': 'tensorflow-datasets',
     'matplotlib': 'matplotlib',
+    'kymatio': 'kymatio',
 }
-OPTIONAL = ('tensorflow_privacy', 'tensorflow_datasets', 'matplotlib')
+OPTIONAL = ('tensorflow_privacy', 'tensorflow_datasets', 'matplotlib',
+            'kymatio')
 
 
 def _setup_value(name):
@@ -165,6 +167,7 @@ sys.meta_path.insert(0, Block())
 def test_package_imports_without_the_optional_packages():
     code = _BLOCK_OPTIONAL.format(blocked=set(OPTIONAL)) + '''
 import tf_twice, tf_twice.keras, tf_twice.optimizers, tf_twice.compute_privacy
+import tf_twice.features
 from tf_twice.accounting import statement
 statement.compute_twice_sampling_privacy_statement(1000, 10, 1, 1.0, 1e-5, 0.5)
 try:

@@ -1,4 +1,5 @@
-"""Keras models: the paper's small CNN and ResNet22, and the tanh CNN.
+"""Keras models: the paper's small CNN and ResNet22, the tanh CNN, and the
+linear and small CNN heads for handcrafted (ScatterNet) features.
 
 Every builder returns an uncompiled `tf.keras.Model` whose output is logits
 of shape [batch, num_classes] (train with `from_logits=True`). No model
@@ -7,7 +8,9 @@ batch, so one example's gradient would depend on the others and per-example
 clipping would no longer bound any single example's influence. ResNet22 uses
 GroupNormalization instead, which normalises within one example. `tanh_cnn`
 is the standard DP benchmark CNN for MNIST and Fashion-MNIST (Papernot et
-al. 2021; Tramer & Boneh 2021).
+al. 2021; Tramer & Boneh 2021). `linear` and `feature_cnn` are Tramer &
+Boneh's models on ScatterNet features (`tf_twice.features`): their input is
+normalised per example by GroupNormalization without learned parameters.
 
 For training scripts, `build_model(name, ...)` looks a builder up by name in
 `MODELS`, e.g. from a `--model resnet22` flag.
@@ -26,6 +29,8 @@ __all__ = [
     'RESNET22_BLOCKS',
     'RESNET22_WIDTHS',
     'build_model',
+    'feature_cnn',
+    'linear',
     'resnet22',
     'small_cnn',
     'tanh_cnn',
@@ -283,10 +288,105 @@ def resnet22(input_shape: Sequence[int] = (32, 32, 3),
     return tf.keras.Model(inputs, logits, name=name)
 
 
+def _input_norm_groups(channels: int, groups) -> int:
+    """GroupNormalization groups for an input of `channels` channels."""
+    if groups is None:
+        # Tramer & Boneh: 27 groups of 3 over the 81 scattering channels.
+        return channels // 3 if channels % 3 == 0 else 1
+    if (isinstance(groups, bool) or not isinstance(groups, int)
+            or groups < 1 or channels % groups):
+        raise ValueError(f'groups must be an int >= 1 dividing the '
+                         f'{channels} input channels; got {groups!r}.')
+    return groups
+
+
+def _input_norm(channels: int, groups) -> tf.keras.layers.Layer:
+    # Per example and without learned scale or shift (affine=False in Tramer
+    # & Boneh): the features' scale is fixed without any statistic of the
+    # private data, and the model stays linear in its weights.
+    return tf.keras.layers.GroupNormalization(
+        groups=_input_norm_groups(channels, groups), center=False,
+        scale=False, name='input_norm')
+
+
+def linear(input_shape: Sequence[int] = (7, 7, 81),
+           num_classes: int = 10,
+           groups=None,
+           name: str = 'linear') -> tf.keras.Model:
+    """GroupNormalization (no parameters) - Flatten - Dense(num_classes).
+
+    Tramer & Boneh's "ScatterNet + linear" model (ICLR 2021,
+    arXiv:2011.11660, Table 1: 89.7 % on Fashion-MNIST at epsilon 3): a
+    linear classifier on the 81 x 7 x 7 scattering features of a 28x28
+    image, each example's features normalised in 27 groups of 3 channels.
+    With those features and 10 classes it has 39,700 parameters.
+
+    Args:
+      input_shape: (height, width, channels) of one example's features.
+      num_classes: number of logits, >= 2.
+      groups: groups of the input normalisation; must divide the channels.
+        Default: channels / 3 when 3 divides them (27 for 81), else 1.
+      name: the model's name.
+
+    Raises:
+      ValueError: naming the argument that is out of range.
+    """
+    _, _, channels = _check_input_shape(input_shape)
+    _check_num_classes(num_classes)
+    norm = _input_norm(channels, groups)
+    inputs = tf.keras.Input(shape=tuple(input_shape), name='features')
+    x = tf.keras.layers.Flatten(name='flatten')(norm(inputs))
+    logits = tf.keras.layers.Dense(num_classes, name='logits')(x)
+    return tf.keras.Model(inputs, logits, name=name)
+
+
+def feature_cnn(input_shape: Sequence[int] = (7, 7, 81),
+                num_classes: int = 10,
+                groups=None,
+                name: str = 'feature_cnn') -> tf.keras.Model:
+    """A small tanh CNN head on handcrafted features.
+
+    GroupNormalization (no parameters) - Conv2D(32, 3, 'same', tanh)
+    - MaxPool2D(2) - Conv2D(32, 3, 'same', tanh) - Flatten
+    - Dense(num_classes) (logits). After Tramer & Boneh's "ScatterNet + CNN"
+    (ICLR 2021, arXiv:2011.11660): a shallow CNN with tanh activations
+    (Papernot et al., arXiv:2007.14191) on the scattering features. On 81 x
+    7 x 7 features with 10 classes: 23,328 + 32 + 9,216 + 32 + 2,890 =
+    35,498 parameters.
+
+    Args:
+      input_shape: (height, width, channels) of one example's features;
+        height and width must be >= 2.
+      num_classes: number of logits, >= 2.
+      groups: groups of the input normalisation (as in `linear`).
+      name: the model's name.
+
+    Raises:
+      ValueError: naming the argument that is out of range.
+    """
+    height, width, channels = _check_input_shape(input_shape)
+    _check_num_classes(num_classes)
+    if min(height, width) < 2:
+        raise ValueError(f'input_shape {tuple(input_shape)!r} is too small '
+                         'for feature_cnn: height and width must be >= 2.')
+    norm = _input_norm(channels, groups)
+    inputs = tf.keras.Input(shape=tuple(input_shape), name='features')
+    x = tf.keras.layers.Conv2D(32, 3, padding='same', activation='tanh',
+                               name='conv1')(norm(inputs))
+    x = tf.keras.layers.MaxPool2D(2, name='pool1')(x)
+    x = tf.keras.layers.Conv2D(32, 3, padding='same', activation='tanh',
+                               name='conv2')(x)
+    x = tf.keras.layers.Flatten(name='flatten')(x)
+    logits = tf.keras.layers.Dense(num_classes, name='logits')(x)
+    return tf.keras.Model(inputs, logits, name=name)
+
+
 MODELS: Dict[str, Callable[..., tf.keras.Model]] = {
     'small_cnn': small_cnn,
     'resnet22': resnet22,
     'tanh_cnn': tanh_cnn,
+    'linear': linear,
+    'feature_cnn': feature_cnn,
 }
 
 

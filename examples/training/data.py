@@ -1,8 +1,12 @@
 """The training script's data: the datasets, their fixed splits, scaling.
 
 `load_data` returns a `Data`: the private training split, a held-out public
-split (`--public_examples` training examples, a fixed random subset) and the
-test split. Integer images stay uint8 and are scaled to [0, 1] by the
+split (`--public_examples` training examples, a fixed random subset), a
+validation split carved from the private one (`--validation_examples`, for
+tuning without looking at the test set) and the test split. With
+`--features=scattering` every image is replaced by its ScatterNet
+coefficients (`tf_twice.features`: a fixed transform applied to each image
+on its own, computed once and cached on disk). Integer images stay uint8 and are scaled to [0, 1] by the
 constant 255 where they are used (`to_unit_float`): preprocessing must not
 depend on the private data. Nothing is downloaded; a dataset that is not on
 this machine raises an error that says how to get it.
@@ -38,6 +42,8 @@ class Data:
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
+    x_validation: Optional[np.ndarray] = None
+    y_validation: Optional[np.ndarray] = None
 
     @property
     def input_shape(self) -> Tuple[int, ...]:
@@ -147,9 +153,20 @@ def _load_tfds(name: str, data_dir: Optional[str]):
     return _tfds_arrays(train), _tfds_arrays(test), num_classes
 
 
+def _scattering(x: np.ndarray, name: str) -> np.ndarray:
+    """ScatterNet features of images [N, H, W, C] (uint8 or [0, 1])."""
+    try:
+        # pylint: disable-next=g-import-not-at-top
+        from tf_twice import features
+        return features.cached_scattering(x, name=name)
+    except ImportError as e:
+        raise DataUnavailableError(f'--features=scattering: {e}') from e
+
+
 def load_data(dataset: str = 'digits', *, public_examples: int = 0,
               data_dir: Optional[str] = None,
-              data_path: Optional[str] = None) -> Data:
+              data_path: Optional[str] = None, features: str = 'none',
+              validation_examples: int = 0) -> Data:
     """Loads `dataset` and holds out `public_examples` training examples.
 
     Args:
@@ -167,6 +184,13 @@ def load_data(dataset: str = 'digits', *, public_examples: int = 0,
       data_dir: the Fashion-MNIST directory, or the tensorflow-datasets data
         directory.
       data_path: the .npz file of `dataset='npz'`.
+      features: 'none' (the images) or 'scattering' (their ScatterNet
+        coefficients, float32 [N, H/4, W/4, 81 C], from the training and
+        test images before any split, cached on disk by
+        `tf_twice.features.cached_scattering`).
+      validation_examples: private training examples moved to the
+        validation split (a fixed random subset, the same for every seed);
+        they are not part of `x_train`.
 
     Raises:
       ValueError: an unknown dataset, `public_examples` out of range, or
@@ -177,8 +201,11 @@ def load_data(dataset: str = 'digits', *, public_examples: int = 0,
         message says how to get it.
     """
     settings.check_choice('dataset', dataset, settings.DATASETS)
+    settings.check_choice('features', features, settings.FEATURES)
     public_examples = settings.check_integer('public_examples',
                                              public_examples, 0)
+    validation_examples = settings.check_integer(
+        'validation_examples', validation_examples, 0)
     if dataset == 'digits':
         (x, y), (x_test, y_test), num_classes = _load_digits()
     elif dataset == 'fashion_mnist':
@@ -190,16 +217,25 @@ def load_data(dataset: str = 'digits', *, public_examples: int = 0,
         (x, y), (x_test, y_test), num_classes = _load_npz(data_path)
     else:
         (x, y), (x_test, y_test), num_classes = _load_tfds(dataset, data_dir)
-    if public_examples >= len(x):
+    if public_examples + validation_examples >= len(x):
         raise settings.flag_error(
-            'public_examples', f'smaller than the {len(x)} training examples',
+            'public_examples', f'smaller than the {len(x)} training examples '
+            f'less --validation_examples={validation_examples}',
             public_examples)
+    if features == 'scattering':
+        x = _scattering(x, f'{dataset}-train')
+        x_test = _scattering(x_test, f'{dataset}-test')
     order = np.random.default_rng(SPLIT_SEED + 1).permutation(len(x))
-    public, private = order[:public_examples], np.sort(
-        order[public_examples:])
+    public, private = order[:public_examples], order[public_examples:]
+    # The validation split comes from the private examples with its own
+    # fixed order, so the public split is the same with or without it.
+    private = np.random.default_rng(SPLIT_SEED + 2).permutation(private)
+    validation = np.sort(private[:validation_examples])
+    private = np.sort(private[validation_examples:])
     return Data(x_train=x[private], y_train=y[private], x_public=x[public],
                 y_public=y[public], x_test=x_test, y_test=y_test,
-                num_classes=num_classes)
+                num_classes=num_classes, x_validation=x[validation],
+                y_validation=y[validation])
 
 
 # Not converted by autograph: the branches are Python-level dtype checks.

@@ -26,12 +26,10 @@ from tf_twice.mechanism import basis as basis_lib
 
 from examples.training import data as data_lib
 from examples.training import modeling
+from examples.training import recipes
 from examples.training import settings
-from examples.training.settings import DEFAULT_BATCH_SIZE
 from examples.training.settings import DEFAULT_COORDINATE_SAMPLING_RATE
 from examples.training.settings import DEFAULT_D0
-from examples.training.settings import DEFAULT_EPOCHS
-from examples.training.settings import DEFAULT_TARGET_EPSILON
 from examples.training.settings import PRIVATE_MODES
 from examples.training.settings import TrainConfig
 
@@ -81,6 +79,7 @@ def resolve_plan(config: TrainConfig, num_examples: int) -> Plan:
         epsilon that no noise multiplier reaches.
     """
     n = int(num_examples)
+    recipe = recipes.recipe_for(config.dataset, config.features)
     if config.batch_size is not None:
         if float(config.batch_size) > n:
             raise settings.flag_error(
@@ -90,7 +89,7 @@ def resolve_plan(config: TrainConfig, num_examples: int) -> Plan:
     elif config.example_sampling_rate is not None:
         batch = float(config.example_sampling_rate) * n
     else:
-        batch = float(min(DEFAULT_BATCH_SIZE, n))
+        batch = float(min(recipe.batch_size, n))
     private = config.mode in PRIVATE_MODES
     if config.mode in ('twice', 'hybrid'):
         q2 = (DEFAULT_COORDINATE_SAMPLING_RATE
@@ -120,7 +119,7 @@ def resolve_plan(config: TrainConfig, num_examples: int) -> Plan:
     if config.steps is not None:
         planned = int(config.steps)
     else:
-        epochs = DEFAULT_EPOCHS if config.epochs is None else config.epochs
+        epochs = recipe.epochs if config.epochs is None else config.epochs
         planned = max(1, int(math.ceil(float(epochs) * steps_per_epoch)))
     delta = None
     target = None
@@ -128,7 +127,7 @@ def resolve_plan(config: TrainConfig, num_examples: int) -> Plan:
         delta = (settings.default_delta(n) if config.delta is None
                  else float(config.delta))
         if config.noise_multiplier is None:
-            target = (DEFAULT_TARGET_EPSILON if config.target_epsilon is None
+            target = (recipe.target_epsilon if config.target_epsilon is None
                       else float(config.target_epsilon))
             if config.mode != 'hybrid':
                 mechanism = _calibrate(mechanism, target, delta, planned)

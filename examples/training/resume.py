@@ -44,7 +44,10 @@ CHECKPOINT_NAME = 'ckpt.weights.h5'
 _CHECKPOINT_TEMPORARY = 'ckpt.saving.weights.h5'
 RUN_FILENAME = 'run.json'
 # Flags that must not change when a run is resumed from --checkpoint_dir.
-RESUME_KEYS = ('mode', 'dataset', 'data_path', 'model', 'public_examples')
+RESUME_KEYS = ('mode', 'dataset', 'data_path', 'features', 'model',
+               'public_examples', 'validation_examples')
+# What a run.json written before a key existed means by its absence.
+_RESUME_KEY_DEFAULTS = {'features': 'none', 'validation_examples': 0}
 # The flags behind each field of a step's DpEvent, for error messages.
 _EVENT_FLAGS = {
     'example_sampling_rate': '--batch_size (or --example_sampling_rate)',
@@ -114,10 +117,11 @@ def check_resume(config: TrainConfig, checkpoint_dir: str,
     previous = read_run_file(checkpoint_dir)
     if previous is not None:
         for key in RESUME_KEYS:
-            if previous.get(key) != getattr(config, key):
+            recorded = previous.get(key, _RESUME_KEY_DEFAULTS.get(key))
+            if recorded != getattr(config, key):
                 raise ValueError(
                     f'--checkpoint_dir={checkpoint_dir!r} holds a run with '
-                    f'--{key}={previous.get(key)!r}; resuming it needs the '
+                    f'--{key}={recorded!r}; resuming it needs the '
                     f'same value (got {getattr(config, key)!r}), or use a new '
                     '--checkpoint_dir.')
     if not has_checkpoint and tf.train.latest_checkpoint(checkpoint_dir):

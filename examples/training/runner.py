@@ -26,6 +26,7 @@ from tf_twice.keras import PrivacyLedger
 
 from examples.training import modeling
 from examples.training import plan as plan_lib
+from examples.training import recipes
 from examples.training import resume
 from examples.training import settings
 from examples.training.data import Data
@@ -57,6 +58,8 @@ class Run:
     basis_refresh: Any = None
     # A float or a tf.keras.optimizers.schedules schedule.
     learning_rate: Any = None
+    # The recipe in force and the flags that overrode it (one line).
+    recipe: str = ''
 
 
 class _StopAfterSteps(tf.keras.callbacks.Callback):
@@ -73,9 +76,24 @@ class _StopAfterSteps(tf.keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-def _public_split(config: TrainConfig, data: Optional[Data]) -> None:
-    """Sets --public_examples from the data given, or its default."""
+def _given(config: TrainConfig) -> List[str]:
+    """The recipe's flags (and their alternatives) that the user set."""
+    names = list(recipes.Recipe.FILLED) + list(recipes.Recipe.ALTERNATIVES)
+    names += list(recipes.Recipe.ALTERNATIVES.values())
+    return [name for name in names if getattr(config, name) is not None]
+
+
+def _held_out_splits(config: TrainConfig, data: Optional[Data]) -> None:
+    """Sets --public_examples from the data given, or its default, and
+    checks --validation_examples against the data given."""
     if data is not None:
+        validation = (0 if data.x_validation is None
+                      else len(data.x_validation))
+        if config.validation_examples != validation:
+            raise settings.flag_error(
+                'validation_examples', f'{validation}, the size of the '
+                'validation split of the data given',
+                config.validation_examples)
         held_out = len(data.x_public)
         if config.public_examples is None:
             config.public_examples = held_out
@@ -123,13 +141,20 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
       ValueError: naming a flag outside its range, or a checkpoint
         directory that cannot be resumed (`examples.training.resume`).
     """
+    config = TrainConfig.from_object(config)
+    given = _given(config)
     config = settings.check_config(config)
-    _public_split(config, data)
+    recipe = recipes.describe(
+        recipes.recipe_for(config.dataset, config.features), given,
+        config.mode)
+    _held_out_splits(config, data)
     if data is None:
         data = load_data(config.dataset,
                          public_examples=config.public_examples,
                          data_dir=config.data_dir,
-                         data_path=config.data_path)
+                         data_path=config.data_path,
+                         features=config.features,
+                         validation_examples=config.validation_examples)
     plan = plan_lib.resolve_plan(config, len(data.x_train))
     if config.seed is not None:
         tf.keras.utils.set_random_seed(config.seed)
@@ -233,13 +258,15 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
                ledger=ledger, done_steps=done, remaining_steps=remaining,
                steps_per_iteration=per_iteration, epochs=epochs,
                checkpoint_path=checkpoint_path, basis_refresh=basis_refresh,
-               learning_rate=learning_rate)
+               learning_rate=learning_rate, recipe=recipe)
 
 
-def evaluate(model: tf.keras.Model, data: Data,
-             batch_size: int = 512) -> Tuple[float, float]:
-    """(test loss, test accuracy) of `model` on the test split."""
-    test = tf.data.Dataset.from_tensor_slices((data.x_test, data.y_test))
+def evaluate(model: tf.keras.Model, data: Data, batch_size: int = 512,
+             split: str = 'test') -> Tuple[float, float]:
+    """(loss, accuracy) of `model` on the test (or validation) split."""
+    x, y = ((data.x_test, data.y_test) if split == 'test'
+            else (data.x_validation, data.y_validation))
+    test = tf.data.Dataset.from_tensor_slices((x, y))
     test = test.batch(batch_size).map(preprocess)
     results = model.evaluate(test, verbose=0, return_dict=True)
     return float(results['loss']), float(results['accuracy'])
@@ -291,8 +318,17 @@ def train(config: Any, data: Optional[Data] = None) -> Dict[str, Any]:
     seconds = time.time() - start
     steps = int(run.model.optimizer.iterations.numpy()) - iterations_before
     test_loss, test_accuracy = evaluate(run.model, run.data)
+    validation_accuracy = None
+    if config.validation_examples:
+        _, validation_accuracy = evaluate(run.model, run.data,
+                                          split='validation')
     results: Dict[str, Any] = dict(
         mode=config.mode, dataset=config.dataset, model=config.model,
+        features=config.features, recipe=run.recipe,
+        learning_rate=float(config.learning_rate),
+        momentum=float(config.momentum),
+        num_validation_examples=int(config.validation_examples),
+        validation_accuracy=validation_accuracy,
         num_examples=mechanism.num_examples,
         num_public_examples=int(len(run.data.x_public)),
         num_test_examples=int(len(run.data.x_test)),
@@ -328,9 +364,15 @@ def train(config: Any, data: Optional[Data] = None) -> Dict[str, Any]:
 def _print_plan(run: Run) -> None:
     plan, config = run.plan, run.config
     mechanism = plan.mechanism
-    print(f'{config.mode} on {config.dataset} ({config.model}): '
+    print(run.recipe)
+    features = ('' if config.features == 'none'
+                else f' on {config.features} features')
+    validation = (f'{config.validation_examples} validation, '
+                  if config.validation_examples else '')
+    print(f'{config.mode} on {config.dataset} ({config.model}{features}): '
           f'{mechanism.num_examples} private training examples, '
-          f'{len(run.data.x_public)} public, {len(run.data.x_test)} test.')
+          f'{len(run.data.x_public)} public, {validation}'
+          f'{len(run.data.x_test)} test.')
     if config.mode in PRIVATE_MODES:
         print(f'  Poisson rate q1 = {mechanism.example_sampling_rate:.6g} '
               f'(expected batch {mechanism.expected_batch_size:g}), '
@@ -371,6 +413,10 @@ def print_results(results: Mapping[str, Any]) -> None:
                   f"{results['statement_epsilon']:.4f}.")
     else:
         print('Nonprivate training: no privacy guarantee.')
+    if results.get('validation_accuracy') is not None:
+        print(f"Validation accuracy: {results['validation_accuracy']:.4f} "
+              f"({results['num_validation_examples']} examples held out of "
+              'the training split).')
     print(f"Test accuracy: {results['test_accuracy']:.4f} "
           f"({results['num_test_examples']} test examples; "
           f"{results['steps']} steps in {results['train_seconds']:.1f} s).")

@@ -16,6 +16,8 @@ from tf_twice import models
 from tf_twice.hybrid import budget_splits
 from tf_twice.hybrid import budgets as hybrid_budgets
 
+from examples.training import recipes
+
 MODES = ('nonprivate', 'dpsgd', 'twice', 'hybrid')
 PRIVATE_MODES = ('dpsgd', 'twice', 'hybrid')
 DATASETS = ('digits', 'fashion_mnist', 'npz', 'cifar10', 'svhn_cropped',
@@ -25,10 +27,10 @@ OPTIMIZERS = ('sgd', 'adam')
 # optimizer's iteration count, which checkpoints restore.
 LR_SCHEDULES = ('constant', 'cosine', 'step')
 DEFAULT_LR_DECAY_RATE = 0.1
-# Used when neither --target_epsilon nor --noise_multiplier is given.
-DEFAULT_TARGET_EPSILON = 4.0
-DEFAULT_BATCH_SIZE = 128
-DEFAULT_EPOCHS = 40
+# The batch size, epochs, target epsilon, mode, model, learning rate,
+# momentum, l2 clip and physical batch size default to the recipe of the
+# dataset and features (examples.training.recipes).
+FEATURES = recipes.FEATURES
 DEFAULT_COORDINATE_SAMPLING_RATE = 0.5
 DEFAULT_D0 = 100.0
 DEFAULT_PUBLIC_EXAMPLES = 200
@@ -42,21 +44,25 @@ NOISE_OBJECTIVES = hybrid_budgets.NOISE_OBJECTIVES
 class TrainConfig:
     """The settings of one run; one field per command-line flag.
 
-    `None` means "the documented default" (resolved by `resolve_plan`).
+    `None` means "the documented default": the recipe's
+    (`examples.training.recipes`, filled in by `check_config` or read by
+    `resolve_plan`), else the constant above.
     """
 
-    mode: str = 'twice'
+    mode: Optional[str] = None
     dataset: str = 'digits'
+    features: str = 'none'
     data_dir: Optional[str] = None
     data_path: Optional[str] = None
-    model: str = 'small_cnn'
+    validation_examples: int = 0
+    model: Optional[str] = None
     target_epsilon: Optional[float] = None
     noise_multiplier: Optional[float] = None
     delta: Optional[float] = None
     example_sampling_rate: Optional[float] = None
     batch_size: Optional[float] = None
     coordinate_sampling_rate: Optional[float] = None
-    l2_norm_clip: float = 1.0
+    l2_norm_clip: Optional[float] = None
     linf_norm_clip: Optional[float] = None
     d0: Optional[float] = None
     principal_d0: float = 1.0
@@ -65,13 +71,13 @@ class TrainConfig:
     noise_objective: str = hybrid_budgets.NOISE_OBJECTIVES[0]
     epochs: Optional[float] = None
     steps: Optional[int] = None
-    physical_batch_size: int = 64
-    learning_rate: float = 0.5
+    physical_batch_size: Optional[int] = None
+    learning_rate: Optional[float] = None
     lr_schedule: str = 'constant'
     lr_decay_steps: Optional[int] = None
     lr_decay_rate: Optional[float] = None
     lr_min_fraction: Optional[float] = None
-    momentum: float = 0.0
+    momentum: Optional[float] = None
     optimizer: str = 'sgd'
     public_examples: Optional[int] = None
     ranks: Optional[Sequence[int]] = None
@@ -155,14 +161,17 @@ def check_config(config: Any) -> TrainConfig:
     """Checks what can be checked before the data is loaded.
 
     Returns:
-      The config as a `TrainConfig`.
+      The config as a `TrainConfig`, with its recipe's settings filled in
+      where the flags left them unset.
 
     Raises:
       ValueError: naming the flag and its allowed range.
     """
     config = TrainConfig.from_object(config)
-    check_choice('mode', config.mode, MODES)
     check_choice('dataset', config.dataset, DATASETS)
+    check_choice('features', config.features, FEATURES)
+    recipes.apply(config)
+    check_choice('mode', config.mode, MODES)
     if (config.dataset == 'npz') != (config.data_path is not None):
         raise flag_error('data_path', 'the .npz file to read for '
                          '--dataset=npz, and unset for other datasets',
@@ -229,6 +238,7 @@ def check_config(config: Any) -> TrainConfig:
     if config.steps is not None:
         check_integer('steps', config.steps, 1)
     check_integer('physical_batch_size', config.physical_batch_size, 1)
+    check_integer('validation_examples', config.validation_examples, 0)
     check_positive('learning_rate', config.learning_rate)
     momentum = check_number('momentum', config.momentum)
     if not 0.0 <= momentum < 1.0:
