@@ -45,6 +45,22 @@ def test_event_is_frozen_attrs_dp_event_with_keyword_construction():
     assert positional == event and hash(positional) == hash(event)
 
 
+def test_event_without_linf_clip_needs_no_linf_argument():
+    # DP-SGD (q2 = 1, no l-infinity clip) is dp_accounting's Poisson
+    # subsampled Gaussian; its event is written without the argument.
+    event = TwiceSampledGaussianDpEvent(
+        example_sampling_rate=0.01, coordinate_sampling_rate=1.0,
+        noise_multiplier=1.1, l2_norm_clip=1.0)
+    assert event == _event(coordinate_sampling_rate=1.0, linf_norm_clip=None)
+    orders = list(range(2, 65))  # Integer orders: exact for both.
+    stock = dp_accounting.rdp.RdpAccountant(orders).compose(
+        dp_accounting.PoissonSampledDpEvent(
+            0.01, dp_accounting.GaussianDpEvent(1.1)), 100)
+    ours = TwiceSamplingRdpAccountant(orders).compose(event, 100)
+    assert ours.get_epsilon(1e-5) == pytest.approx(stock.get_epsilon(1e-5),
+                                                   rel=1e-9)
+
+
 @pytest.mark.parametrize('event', [
     _event(),
     _event(noise_multiplier=[1.0, 2.0], l2_norm_clip=[0.5, 1.0],

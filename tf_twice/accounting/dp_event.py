@@ -31,7 +31,8 @@ class TwiceSampledGaussianDpEvent(dp_accounting.DpEvent):
     l2 <= l2_norm_clip[j] and then |coordinate| <= linf_norm_clip[j], and the
     sum gets N(0, (noise_multiplier[j] * l2_norm_clip[j])^2) on every
     coordinate of block j. Per-block fields are floats (one block) or
-    equal-length tuples. `linf_norm_clip=None` means no l-infinity clipping.
+    equal-length tuples. `linf_norm_clip=None` (the default) means no
+    l-infinity clipping.
     `block_dimensions` (number of coordinates per block) is optional; it can
     only tighten the bound.
 
@@ -44,7 +45,8 @@ class TwiceSampledGaussianDpEvent(dp_accounting.DpEvent):
     coordinate_sampling_rate: float
     noise_multiplier: _Blocks = attr.ib(converter=_scalar_or_tuple)
     l2_norm_clip: _Blocks = attr.ib(converter=_scalar_or_tuple)
-    linf_norm_clip: Optional[_Blocks] = attr.ib(converter=_scalar_or_tuple)
+    linf_norm_clip: Optional[_Blocks] = attr.ib(default=None,
+                                                converter=_scalar_or_tuple)
     block_dimensions: Optional[Union[int, Tuple[int, ...]]] = attr.ib(
         default=None, converter=_scalar_or_tuple)
 
