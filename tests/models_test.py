@@ -209,6 +209,7 @@ def test_feature_models_on_scattering_features(name, params):
     assert _num_trainable(model) == params
     norm = model.get_layer('input_norm')
     assert norm.groups == 27 and not norm.trainable_weights
+    assert norm.epsilon == 1e-5  # Below the features' variances (1e-6 up).
     guards.check_no_example_mixing(model)  # Raises for a mixing layer.
 
 
@@ -222,7 +223,7 @@ def test_feature_models_normalise_each_example_alone(name):
     scaled = x.copy()
     scaled[0] *= 7.0
     scaled[1] = 1e6 * scaled[1] + 3.0
-    # Up to the normalisation's epsilon (1e-3) added to the variance.
+    # Up to the normalisation's epsilon (1e-5) added to the variance.
     np.testing.assert_allclose(model(scaled).numpy()[0], logits[0],
                                rtol=5e-3, atol=5e-3)
     np.testing.assert_allclose(model(scaled).numpy()[2], logits[2],

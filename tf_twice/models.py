@@ -304,9 +304,12 @@ def _input_norm(channels: int, groups) -> tf.keras.layers.Layer:
     # Per example and without learned scale or shift (affine=False in Tramer
     # & Boneh): the features' scale is fixed without any statistic of the
     # private data, and the model stays linear in its weights.
+    # epsilon 1e-5 as in PyTorch's GroupNorm (Tramer & Boneh's): the
+    # scattering coefficients' variances per group are 1e-6 to 1e-2, and
+    # Keras's default 1e-3 would flatten the second-order ones.
     return tf.keras.layers.GroupNormalization(
         groups=_input_norm_groups(channels, groups), center=False,
-        scale=False, name='input_norm')
+        scale=False, epsilon=1e-5, name='input_norm')
 
 
 def linear(input_shape: Sequence[int] = (7, 7, 81),
