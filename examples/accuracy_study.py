@@ -19,6 +19,13 @@ optimiser and global l2 clip, each with its noise calibrated to the same
   by `--budget_split`, `--budget_quantile`; principal blocks' l-infinity
   clip per `--principal_d0`).
 
+Tuned rows (`--tuned=NAME=FILE`, from examples/tune.py): the row NAME (one
+of the above, or a new one) takes the settings the search fixed and the best
+point it found on its validation split; every such row should come from a
+search with the same budget. `--features=scattering` trains every row on
+ScatterNet features; the dataset's recipe (examples/training/recipes.py)
+gives every shared setting not set by a flag.
+
 Each row runs once per seed and epsilon; the tables give the median test
 accuracy, its range over the seeds, the noise multiplier(s) and the epsilon
 the privacy ledger reports. `--plot` draws accuracy against epsilon, with the
@@ -58,6 +65,7 @@ from absl import flags
 
 from examples.training import console
 from examples.training import data as data_lib
+from examples.training import recipes
 from examples.training import runner
 from examples.training import settings as settings_lib
 from tf_twice import sampling
@@ -71,6 +79,7 @@ PUBLISHED = {
     'fashion_mnist': (
         ('Tramer & Boneh (ICLR 2021), tanh CNN', 3.0, 86.0),
         ('Papernot et al. (AAAI 2021), tempered sigmoids', 3.0, 86.1),
+        ('Tramer & Boneh (ICLR 2021), ScatterNet + linear', 3.0, 89.7),
     ),
 }
 
@@ -128,6 +137,27 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
     return {row: every[row] for row in rows}
 
 
+def tuned_rows(tuned: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """Rows from examples/tune.py result files, `NAME=FILE` each: the
+    settings the search fixed (less the data, shared by the study) and its
+    best point."""
+    rows = {}
+    for text in tuned:
+        name, sep, path = text.partition('=')
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f'--tuned must be NAME=FILE; got {text!r}.')
+        with open(path.strip(), encoding='utf-8') as f:
+            saved = json.load(f)
+        if not saved.get('best'):
+            raise ValueError(f'--tuned={text}: {path} holds no finished '
+                             'search (no best point).')
+        fixed = {k: v for k, v in saved['search'].items()
+                 if k not in ('dataset', 'features', 'data_dir',
+                              'validation_examples')}
+        rows[name.strip()] = dict(fixed, **saved['best'])
+    return rows
+
+
 class RunStore:
     """The finished runs of one study, kept in a JSON file (or in memory).
 
@@ -178,6 +208,7 @@ def run_study(configs: Dict[str, Dict[str, Any]], *, seeds: Sequence[int],
     if data is None:
         data = data_lib.load_data(common.get('dataset', 'digits'),
                                   data_dir=common.get('data_dir'),
+                                  features=common.get('features', 'none'),
                                   public_examples=public_examples)
     store = store or RunStore(None, {})
     train_fn = train_fn or runner.train
@@ -191,7 +222,10 @@ def run_study(configs: Dict[str, Dict[str, Any]], *, seeds: Sequence[int],
                 if result is None:
                     config = dict(common, seed=seed,
                                   public_examples=public_examples,
-                                  target_epsilon=epsilon, **overrides)
+                                  target_epsilon=epsilon)
+                    if 'epochs' in overrides:  # A tuned schedule.
+                        config.pop('steps', None)
+                    config.update(overrides)
                     result = train_fn(config, data=data)
                     result.pop('statement', None)
                     store.put(key, result)
@@ -250,7 +284,9 @@ def plot_accuracy(results: Results, path: str, *,
     matplotlib.use('Agg')
     from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
     epsilons = sorted(results)
-    rows = [row for row in ROWS if any(results[e].get(row) for e in epsilons)]
+    rows = [row for row in dict.fromkeys(
+        row for e in epsilons for row in results[e]) if any(
+            results[e].get(row) for e in epsilons)]
     fig, ax = plt.subplots(figsize=(9.0, 4.4))
     for row in rows:
         points = [(e, *_median_and_range(results[e][row]))
@@ -294,27 +330,37 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       'Dataset (examples/train.py --dataset).', **fv)
     flags.DEFINE_string('data_dir', None, 'Directory of the dataset files '
                         '(examples/train.py --data_dir).', **fv)
-    flags.DEFINE_string('model', 'small_cnn', 'Model (examples/train.py '
-                        '--model).', **fv)
-    flags.DEFINE_float('epochs', 40, 'Epochs (1/q1 steps each) of the '
-                       'twice-sampling rows; every row runs as many steps.',
-                       **fv)
+    flags.DEFINE_enum('features', 'none', settings_lib.FEATURES,
+                      'Features (examples/train.py --features).', **fv)
+    flags.DEFINE_multi_string('tuned', [], 'NAME=FILE: the row NAME takes '
+                              'the best setting of an examples/tune.py '
+                              'search (a new NAME adds a row).', **fv)
+    flags.DEFINE_string('model', None, 'Model (examples/train.py --model; '
+                        "default: the recipe's).", **fv)
+    flags.DEFINE_float('epochs', None, 'Epochs (1/q1 steps each) of the '
+                       'twice-sampling rows; every row runs as many steps '
+                       "(default: the recipe's).", **fv)
     flags.DEFINE_integer('steps', None, 'Steps of every row (instead of '
                          '--epochs).', **fv)
-    flags.DEFINE_float('momentum', 0.0, 'SGD momentum.', **fv)
-    flags.DEFINE_integer('physical_batch_size', 64, 'Examples per '
-                         'vectorized chunk (speed and memory only).', **fv)
+    flags.DEFINE_float('momentum', None, "SGD momentum (default: the "
+                       "recipe's).", **fv)
+    flags.DEFINE_integer('physical_batch_size', None, 'Examples per '
+                         'vectorized chunk (speed and memory only; default: '
+                         "the recipe's).", **fv)
     flags.DEFINE_string('results_json', None, 'File that keeps every '
                         'finished run; a rerun skips the runs it holds.',
                         **fv)
     flags.DEFINE_string('plot', None, 'PNG of accuracy against epsilon.',
                         **fv)
-    flags.DEFINE_float('batch_size', 128, 'Expected batch size B.', **fv)
+    flags.DEFINE_float('batch_size', None, "Expected batch size B (default: "
+                       "the recipe's).", **fv)
     flags.DEFINE_float('coordinate_sampling_rate', 0.5, 'q2.', **fv)
     flags.DEFINE_float('d0', 100, 'c_inf = c2 / sqrt(d0) (twice, and the '
                        'residual of hybrid).', **fv)
-    flags.DEFINE_float('learning_rate', 0.5, 'SGD learning rate.', **fv)
-    flags.DEFINE_float('l2_norm_clip', 1.0, 'Global l2 clip.', **fv)
+    flags.DEFINE_float('learning_rate', None, "SGD learning rate (default: "
+                       "the recipe's).", **fv)
+    flags.DEFINE_float('l2_norm_clip', None, "Global l2 clip (default: the "
+                       "recipe's).", **fv)
     flags.DEFINE_integer('public_examples', 200, 'Held-out public examples '
                          '(removed from every row\'s private set).', **fv)
     flags.DEFINE_list('ranks', ['16'], 'Hybrid principal ranks.', **fv)
@@ -347,32 +393,45 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     console.quiet_known_noise()
     f = flags.FLAGS
+    recipe = recipes.recipe_for(f.dataset, f.features)
+    pick = lambda value, default: default if value is None else value
+    batch_size = pick(f.batch_size, recipe.batch_size)
     try:
         seeds = [int(s) for s in f.seeds]
         epsilons = [float(e) for e in f.target_epsilons]
         configs = row_configs(
-            batch_size=f.batch_size,
+            batch_size=batch_size,
             coordinate_sampling_rate=f.coordinate_sampling_rate, d0=f.d0,
             ranks=[int(r) for r in f.ranks],
             basis_refresh_steps=f.basis_refresh_steps, rows=f.rows,
             budget_split=f.budget_split, budget_quantile=f.budget_quantile,
             noise_objective=f.noise_objective, principal_d0=f.principal_d0,
             parameter_groups=f.parameter_groups)
-    except ValueError as e:
+        configs.update(tuned_rows(f.tuned))
+    except (ValueError, OSError) as e:
         raise app.UsageError(str(e)) from e
     data = data_lib.load_data(f.dataset, data_dir=f.data_dir,
+                              features=f.features,
                               public_examples=f.public_examples)
     n = len(data.x_train)
     if f.steps is not None:
         steps = int(f.steps)
     else:  # Every row runs the steps of the twice-sampling rows' epochs.
         steps_per_epoch = sampling.poisson_schedule(
-            n, expected_batch_size=f.batch_size).steps_per_epoch
-        steps = int(round(f.epochs * steps_per_epoch))
-    common = dict(dataset=f.dataset, data_dir=f.data_dir, model=f.model,
-                  steps=steps, learning_rate=f.learning_rate,
-                  momentum=f.momentum, l2_norm_clip=f.l2_norm_clip,
-                  physical_batch_size=f.physical_batch_size, verbose=0)
+            n, expected_batch_size=batch_size).steps_per_epoch
+        steps = int(round(pick(f.epochs, recipe.epochs) * steps_per_epoch))
+    model = pick(f.model, recipe.model)
+    learning_rate = pick(f.learning_rate, recipe.learning_rate)
+    momentum = pick(f.momentum, recipe.momentum)
+    l2_norm_clip = pick(f.l2_norm_clip, recipe.l2_norm_clip)
+    common = dict(dataset=f.dataset, data_dir=f.data_dir, model=model,
+                  steps=steps, learning_rate=learning_rate,
+                  momentum=momentum, l2_norm_clip=l2_norm_clip,
+                  physical_batch_size=pick(f.physical_batch_size,
+                                           recipe.physical_batch_size),
+                  verbose=0)
+    if f.features != 'none':  # Stored studies without features stay valid.
+        common['features'] = f.features
     # What a stored run must share with this invocation to be reused.
     settings = dict(common, data_dir=None, public_examples=f.public_examples,
                     rows={row: configs[row] for row in configs})
@@ -384,9 +443,10 @@ def main(argv: Sequence[str]) -> None:
     first = results[epsilons[0]][next(iter(configs))][0]
     summary = (
         f'{f.dataset}: {n} private training examples, {f.public_examples} '
-        f'public (hybrid only), {len(data.x_test)} test; {f.model}; '
-        f'{steps} steps; SGD learning rate {f.learning_rate:g}, momentum '
-        f'{f.momentum:g}; l2 clip {f.l2_norm_clip:g}; delta '
+        f'public (hybrid only), {len(data.x_test)} test; {model}; '
+        f'{steps} steps; SGD learning rate {learning_rate:g}, momentum '
+        f'{momentum:g}; l2 clip {l2_norm_clip:g} (tuned rows: their own); '
+        'delta '
         f"{first['delta']:g}; seeds {seeds}.")
     print()
     print(summary)
@@ -397,7 +457,7 @@ def main(argv: Sequence[str]) -> None:
         print(markdown_table(results[epsilon]))
     if f.plot:
         plot_accuracy(results, f.plot, published=PUBLISHED.get(f.dataset, ()),
-                      title=f'{f.dataset}, {f.model}, {steps} steps')
+                      title=f'{f.dataset}, {model}, {steps} steps')
         print()
         print(f'Plot: {f.plot}')
     print()

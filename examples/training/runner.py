@@ -279,13 +279,16 @@ def _per_block(values):
     return values[0] if len(values) == 1 else values
 
 
-def train(config: Any, data: Optional[Data] = None) -> Dict[str, Any]:
+def train(config: Any, data: Optional[Data] = None, *,
+          evaluate_test: bool = True) -> Dict[str, Any]:
     """Builds and runs one training run; returns its results.
 
     Args:
       config: a `TrainConfig`, a mapping of its fields, or a flags-like
         object (e.g. absl's FLAGS).
       data: optional pre-loaded `Data` (for repeated runs).
+      evaluate_test: False leaves the test split unread (`test_accuracy`
+        and `test_loss` None): tuning looks at the validation split only.
 
     Returns:
       A dict with the mode, the data sizes, the mechanism (sampling rates,
@@ -317,7 +320,9 @@ def train(config: Any, data: Optional[Data] = None) -> Dict[str, Any]:
                           shuffle=False)
     seconds = time.time() - start
     steps = int(run.model.optimizer.iterations.numpy()) - iterations_before
-    test_loss, test_accuracy = evaluate(run.model, run.data)
+    test_loss = test_accuracy = None
+    if evaluate_test:
+        test_loss, test_accuracy = evaluate(run.model, run.data)
     validation_accuracy = None
     if config.validation_examples:
         _, validation_accuracy = evaluate(run.model, run.data,
@@ -417,6 +422,8 @@ def print_results(results: Mapping[str, Any]) -> None:
         print(f"Validation accuracy: {results['validation_accuracy']:.4f} "
               f"({results['num_validation_examples']} examples held out of "
               'the training split).')
+    if results['test_accuracy'] is None:
+        return
     print(f"Test accuracy: {results['test_accuracy']:.4f} "
           f"({results['num_test_examples']} test examples; "
           f"{results['steps']} steps in {results['train_seconds']:.1f} s).")

@@ -4,6 +4,8 @@ The study's training runs are replaced by a fake that encodes each run in
 its accuracy, so the tables can be checked without training.
 """
 
+import json
+
 import pytest
 
 from examples import accuracy_study as study
@@ -161,3 +163,35 @@ def test_study_flags_pass_principal_d0_and_parameter_groups():
     flag_values(['study', '--principal_d0=16', '--parameter_groups=3'])
     assert flag_values.principal_d0 == 16.0
     assert flag_values.parameter_groups == 3
+
+
+def test_tuned_rows_take_the_searchs_fixed_settings_and_best_point(tmp_path):
+    path = tmp_path / 'tune_twice.json'
+    path.write_text(json.dumps(dict(
+        search=dict(mode='twice', coordinate_sampling_rate=0.5,
+                    dataset='fashion_mnist', features='scattering',
+                    data_dir=None, validation_examples=5000),
+        runs={}, best=dict(learning_rate=8, epochs=60))))
+    rows = study.tuned_rows([f'best twice={path}'])
+    assert rows == {'best twice': dict(mode='twice',
+                                       coordinate_sampling_rate=0.5,
+                                       learning_rate=8, epochs=60)}
+    calls = []
+
+    def fake_train(config, data):
+        calls.append(config)
+        return dict(test_accuracy=0.9, epsilon=3.0, train_seconds=1.0)
+
+    study.run_study(rows, seeds=[0], target_epsilons=[3.0],
+                    common=dict(steps=280, learning_rate=16),
+                    public_examples=0, data=object(), train_fn=fake_train,
+                    log=lambda _: None)
+    # The tuned schedule replaces the study's steps; its rate the common one.
+    assert 'steps' not in calls[0] and calls[0]['epochs'] == 60
+    assert calls[0]['learning_rate'] == 8
+    unfinished = tmp_path / 'unfinished.json'
+    unfinished.write_text(json.dumps(dict(search={}, runs={}, best=None)))
+    for bad, match in ((f'x{path}', 'NAME=FILE'),
+                       (f'row={unfinished}', 'no finished search')):
+        with pytest.raises(ValueError, match=match):
+            study.tuned_rows([bad])
