@@ -259,6 +259,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        'as a fraction of --learning_rate (default 0).', **fv)
     flags.DEFINE_float('momentum', None, 'SGD momentum'
                        + recipe.format(f'{DIGITS.momentum:g}') + '.', **fv)
+    flags.DEFINE_float('ema_momentum', None, 'Keep an exponential moving '
+                       'average of the weights with this momentum and end '
+                       'with it (post-processing: no privacy cost); unset: '
+                       'none.', **fv)
     flags.DEFINE_enum('optimizer', defaults.optimizer, settings.OPTIMIZERS,
                       'Keras optimizer.', **fv)
     flags.DEFINE_integer('public_examples', None,

@@ -70,10 +70,20 @@ def learning_rate(config: TrainConfig, planned_steps: int) -> LearningRate:
 
 def optimizer(config: TrainConfig,
               rate: LearningRate) -> tf.keras.optimizers.Optimizer:
-    """The `--optimizer` with learning rate `rate` (see `learning_rate`)."""
+    """The `--optimizer` with learning rate `rate` (see `learning_rate`).
+
+    With `--ema_momentum` the optimizer keeps an exponential moving average
+    of the weights, which replaces them at the end of `fit` (Keras's
+    `use_ema`). The average is a function of the released iterates, so it
+    costs no privacy (post-processing); it averages the DP noise of the
+    last steps out (De et al., arXiv:2204.13650, section 3).
+    """
+    ema = {}
+    if config.ema_momentum is not None:
+        ema = dict(use_ema=True, ema_momentum=float(config.ema_momentum))
     if config.optimizer == 'adam':
-        return tf.keras.optimizers.Adam(rate)
-    return tf.keras.optimizers.SGD(rate, momentum=config.momentum)
+        return tf.keras.optimizers.Adam(rate, **ema)
+    return tf.keras.optimizers.SGD(rate, momentum=config.momentum, **ema)
 
 
 def current_learning_rate(rate: LearningRate, iterations: Any) -> float:

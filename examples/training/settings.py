@@ -78,6 +78,7 @@ class TrainConfig:
     lr_decay_rate: Optional[float] = None
     lr_min_fraction: Optional[float] = None
     momentum: Optional[float] = None
+    ema_momentum: Optional[float] = None
     optimizer: str = 'sgd'
     public_examples: Optional[int] = None
     ranks: Optional[Sequence[int]] = None
@@ -243,6 +244,11 @@ def check_config(config: Any) -> TrainConfig:
     momentum = check_number('momentum', config.momentum)
     if not 0.0 <= momentum < 1.0:
         raise flag_error('momentum', 'in [0, 1)', config.momentum)
+    if config.ema_momentum is not None:
+        ema = check_number('ema_momentum', config.ema_momentum)
+        if not 0.0 < ema < 1.0:
+            raise flag_error('ema_momentum', 'in (0, 1), or unset for no '
+                             'averaging', config.ema_momentum)
     check_lr_schedule(config)
     if config.public_examples is not None:
         check_integer('public_examples', config.public_examples, 0)

@@ -163,3 +163,31 @@ def test_scattering_features_train_a_linear_model(tmp_path, monkeypatch):
     assert results['total_steps'] == 2 and results['epsilon'] > 0
     assert results['recipe'].startswith(
         'Recipe: Tramer & Boneh (ICLR 2021), ScatterNet + linear')
+
+
+def _weights(model):
+    return np.concatenate([w.numpy().ravel()
+                           for w in model.trainable_weights])
+
+
+def _fit(config, data):
+    run = runner.build_run(config, data=data)
+    initial = _weights(run.inner_model)
+    run.model.fit(run.dataset, epochs=1, callbacks=run.callbacks, verbose=0)
+    return initial, _weights(run.inner_model)
+
+
+def test_the_weights_end_as_their_moving_average():
+    # With ema_momentum 0.999, three steps move the average by about 0.3 %
+    # of the iterates' path from where Keras starts it (the initial weights,
+    # or the first step's on some versions): the run must end there, not
+    # at its last iterate.
+    digits = data_lib.load_data('digits')
+    initial, first = _fit(dict(FAST, steps=1), digits)
+    _, last = _fit(dict(FAST, steps=3), digits)
+    _, averaged = _fit(dict(FAST, steps=3, ema_momentum=0.999), digits)
+    path = np.abs(last - initial).max()
+    assert min(np.abs(averaged - initial).max(),
+               np.abs(averaged - first).max()) < 0.1 * path
+    with pytest.raises(ValueError, match='--ema_momentum'):
+        settings.check_config(dict(FAST, ema_momentum=1.0))
