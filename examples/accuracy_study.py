@@ -67,6 +67,7 @@ from examples.training import console
 from examples.training import data as data_lib
 from examples.training import recipes
 from examples.training import runner
+from examples.training.run_store import RunStore
 from examples.training import settings as settings_lib
 from tf_twice import sampling
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -151,50 +152,11 @@ def tuned_rows(tuned: Sequence[str]) -> Dict[str, Dict[str, Any]]:
         if not saved.get('best'):
             raise ValueError(f'--tuned={text}: {path} holds no finished '
                              'search (no best point).')
-        fixed = {k: v for k, v in saved['search'].items()
+        fixed = {k: v for k, v in saved['settings'].items()
                  if k not in ('dataset', 'features', 'data_dir',
                               'validation_examples')}
         rows[name.strip()] = dict(fixed, **saved['best'])
     return rows
-
-
-class RunStore:
-    """The finished runs of one study, kept in a JSON file (or in memory).
-
-    The file records the settings shared by every run; a store opened with
-    other settings is refused, so that one table never mixes two studies.
-    """
-
-    def __init__(self, path: Optional[str], settings: Dict[str, Any]):
-        self._path = path
-        self._settings = json.loads(json.dumps(settings))
-        self._runs: Dict[str, Dict[str, Any]] = {}
-        if path is not None and os.path.exists(path):
-            with open(path, encoding='utf-8') as f:
-                saved = json.load(f)
-            if saved.get('settings') != self._settings:
-                raise ValueError(
-                    f'--results_json={path} holds a study with other '
-                    f'settings ({saved.get("settings")}); use another file '
-                    'or the same settings.')
-            self._runs = saved['runs']
-
-    @staticmethod
-    def key(row: str, epsilon: float, seed: int) -> str:
-        return f'{row} | epsilon={epsilon:g} | seed={seed}'
-
-    def get(self, key: str) -> Optional[Dict[str, Any]]:
-        return self._runs.get(key)
-
-    def put(self, key: str, result: Dict[str, Any]) -> None:
-        self._runs[key] = json.loads(json.dumps(result))
-        if self._path is None:
-            return
-        temporary = f'{self._path}.tmp'
-        with open(temporary, 'w', encoding='utf-8') as f:
-            json.dump({'settings': self._settings, 'runs': self._runs}, f,
-                      indent=1)
-        os.replace(temporary, self._path)  # A crash keeps the last file.
 
 
 def run_study(configs: Dict[str, Dict[str, Any]], *, seeds: Sequence[int],

@@ -54,6 +54,7 @@ from examples.training import console
 from examples.training import data as data_lib
 from examples.training import runner
 from examples.training import settings
+from examples.training.run_store import RunStore
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 DEFAULT_VALIDATION_EXAMPLES = 5000
@@ -114,39 +115,9 @@ def median_validation(runs: Sequence[Dict[str, Any]]) -> float:
     return statistics.median(r['validation_accuracy'] for r in runs)
 
 
-class TrialStore:
-    """Finished runs of one search, kept in a JSON file (or in memory); a
-    file of another search (other fixed settings) is refused."""
-
-    def __init__(self, path: Optional[str], search: Dict[str, Any]):
-        self._path = path
-        self._search = json.loads(json.dumps(search))
-        self.runs: Dict[str, Dict[str, Any]] = {}
-        if path is not None and os.path.exists(path):
-            with open(path, encoding='utf-8') as f:
-                saved = json.load(f)
-            if saved.get('search') != self._search:
-                raise ValueError(
-                    f'--results_json={path} holds another search '
-                    f'({saved.get("search")}); use another file or the '
-                    'same --set, --validation_examples and dataset.')
-            self.runs = saved['runs']
-
-    def save(self, best: Optional[Dict[str, Any]] = None) -> None:
-        if self._path is None:
-            return
-        directory = os.path.dirname(os.path.abspath(self._path))
-        os.makedirs(directory, exist_ok=True)
-        temporary = f'{self._path}.tmp'
-        with open(temporary, 'w', encoding='utf-8') as f:
-            json.dump({'search': self._search, 'runs': self.runs,
-                       'best': best}, f, indent=1)
-        os.replace(temporary, self._path)  # A crash keeps the last file.
-
-
 def search(points: Sequence[Dict[str, Any]], *, fixed: Dict[str, Any],
            seeds: Sequence[int], data: data_lib.Data,
-           store: TrialStore,
+           store: RunStore,
            train_fn: Optional[Callable[..., Dict[str, Any]]] = None,
            log=print) -> List[Tuple[Dict[str, Any], List[Dict[str, Any]]]]:
     """Runs every point once per seed (skipping stored runs); returns the
@@ -161,14 +132,13 @@ def search(points: Sequence[Dict[str, Any]], *, fixed: Dict[str, Any],
         runs = []
         for seed in seeds:
             key = point_key(point, seed)
-            if key not in store.runs:
+            if store.get(key) is None:
                 config = dict(fixed, **point, seed=seed, verbose=0,
                               validation_examples=validation)
                 result = train_fn(config, data=data, evaluate_test=False)
                 result.pop('statement', None)
-                store.runs[key] = json.loads(json.dumps(result))
-                store.save()
-            run = store.runs[key]
+                store.put(key, result)
+            run = store.get(key)
             runs.append(run)
             log(f'{point} seed {seed}: validation accuracy '
                 f"{run['validation_accuracy']:.4f}, epsilon "
@@ -176,7 +146,7 @@ def search(points: Sequence[Dict[str, Any]], *, fixed: Dict[str, Any],
                 f"{run['train_seconds']:.0f} s")
         scored.append((point, runs))
     scored.sort(key=lambda item: -median_validation(item[1]))
-    store.save(best=scored[0][0] if scored else None)
+    store.put_entry('best', scored[0][0] if scored else None)
     return scored
 
 
@@ -254,7 +224,7 @@ def main(argv: Sequence[str]) -> None:
     data = data_lib.load_data(f.dataset, data_dir=f.data_dir,
                               features=f.features,
                               validation_examples=f.validation_examples)
-    store = TrialStore(f.results_json, dict(
+    store = RunStore(f.results_json, dict(
         fixed, data_dir=None, validation_examples=f.validation_examples))
     scored = search(points, fixed=fixed, seeds=seeds, data=data, store=store)
     print()

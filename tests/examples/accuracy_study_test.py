@@ -168,7 +168,7 @@ def test_study_flags_pass_principal_d0_and_parameter_groups():
 def test_tuned_rows_take_the_searchs_fixed_settings_and_best_point(tmp_path):
     path = tmp_path / 'tune_twice.json'
     path.write_text(json.dumps(dict(
-        search=dict(mode='twice', coordinate_sampling_rate=0.5,
+        settings=dict(mode='twice', coordinate_sampling_rate=0.5,
                     dataset='fashion_mnist', features='scattering',
                     data_dir=None, validation_examples=5000),
         runs={}, best=dict(learning_rate=8, epochs=60))))
@@ -190,7 +190,7 @@ def test_tuned_rows_take_the_searchs_fixed_settings_and_best_point(tmp_path):
     assert 'steps' not in calls[0] and calls[0]['epochs'] == 60
     assert calls[0]['learning_rate'] == 8
     unfinished = tmp_path / 'unfinished.json'
-    unfinished.write_text(json.dumps(dict(search={}, runs={}, best=None)))
+    unfinished.write_text(json.dumps(dict(settings={}, runs={}, best=None)))
     for bad, match in ((f'x{path}', 'NAME=FILE'),
                        (f'row={unfinished}', 'no finished search')):
         with pytest.raises(ValueError, match=match):

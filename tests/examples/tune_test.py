@@ -16,6 +16,7 @@ pytest.importorskip('sklearn.datasets')
 from examples import tune
 from examples.training import data as data_lib
 from examples.training import runner
+from examples.training.run_store import RunStore
 from tests.examples.train_helpers import FAST
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -77,7 +78,7 @@ def test_the_search_scores_by_median_validation_and_resumes(tmp_path):
     path = str(tmp_path / 'tune.json')
     points = tune.grid_points({'learning_rate': [1, 2, 4]}, None, 0)
     fake = _FakeTrain()
-    store = tune.TrialStore(path, {'mode': 'twice'})
+    store = RunStore(path, {'mode': 'twice'})
     scored = tune.search(points, fixed=dict(mode='twice'), seeds=[0, 1],
                          data=_data(), store=store, train_fn=fake,
                          log=lambda *_: None)
@@ -90,11 +91,11 @@ def test_the_search_scores_by_median_validation_and_resumes(tmp_path):
     # A rerun skips every stored run; another search's file is refused.
     again = _FakeTrain()
     tune.search(points, fixed=dict(mode='twice'), seeds=[0, 1],
-                data=_data(), store=tune.TrialStore(path, {'mode': 'twice'}),
+                data=_data(), store=RunStore(path, {'mode': 'twice'}),
                 train_fn=again, log=lambda *_: None)
     assert not again.calls
-    with pytest.raises(ValueError, match='another search'):
-        tune.TrialStore(path, {'mode': 'dpsgd'})
+    with pytest.raises(ValueError, match='other settings'):
+        RunStore(path, {'mode': 'dpsgd'})
     assert '| 2 | 2 | 1.000 | 90.50 % | 90.00 - 91.00 % | 2 |' in (
         tune.markdown_table(scored))
 
@@ -104,7 +105,7 @@ def test_a_bad_point_is_refused_before_any_run():
     points = [{'learning_rate': 1}, {'learning_rate': -1.0}]
     with pytest.raises(ValueError, match='--learning_rate'):
         tune.search(points, fixed={}, seeds=[0], data=_data(),
-                    store=tune.TrialStore(None, {}), train_fn=fake)
+                    store=RunStore(None, {}), train_fn=fake)
     assert not fake.calls
 
 
@@ -120,7 +121,7 @@ def test_a_real_search_never_reads_the_test_split(monkeypatch):
     fixed = {k: v for k, v in FAST.items() if k not in ('seed', 'verbose')}
     scored = tune.search(
         tune.grid_points({'learning_rate': [0.1, 0.5]}, None, 0),
-        fixed=fixed, seeds=[0], data=data, store=tune.TrialStore(None, {}),
+        fixed=fixed, seeds=[0], data=data, store=RunStore(None, {}),
         log=lambda *_: None)
     assert len(scored) == 2
     for _, (run,) in scored:
