@@ -28,8 +28,9 @@ that the comparison between rows stays fair (same budget for each).
 Run (the Fashion-MNIST tuning of docs/results.md):
 
   python examples/tune.py --dataset=fashion_mnist --features=scattering \
-      --grid=learning_rate=8,16,32 --grid=epochs=20,40,60 \
-      --results_json=results/tune_dpsgd.json
+      --set=target_epsilon=3 --grid=learning_rate=8,16,32 \
+      --grid=epochs=40,80 --grid=batch_size=8192,16384 --budget=8 \
+      --results_json=docs/figures/fmnist_scatternet_tune_dpsgd.json
 """
 
 from __future__ import annotations
