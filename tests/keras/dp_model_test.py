@@ -16,6 +16,7 @@ from tests.paths import ROOT
 from tests import reference
 from tests import tiny_models
 
+from tf_twice import models
 from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
@@ -531,8 +532,10 @@ def test_config_round_trip_and_weights():
 
 
 def _dense(width, inputs=None):
+    # d = (inputs + 1) * width, written out per example: on two positions
+    # per example the kernel's gradient is no outer product (see below).
     layer = (tf.keras.layers.Dense(width) if inputs is None else
-             tf.keras.layers.Dense(width, input_shape=(inputs,)))
+             tf.keras.layers.Dense(width, input_shape=(2, inputs)))
     return tf.keras.Sequential([layer])
 
 
@@ -575,6 +578,19 @@ def test_default_physical_batch_size_where_a_gpu_is_visible(
         monkeypatch, make_model, expected_batch_size, want):
     monkeypatch.setattr(vectorized_backprop, 'gpu_visible', lambda: True)
     _check_default_physical_batch_size(make_model, expected_batch_size, want)
+
+
+@pytest.mark.parametrize('gpu', [False, True])
+def test_default_physical_batch_size_of_dense_layers(monkeypatch, gpu):
+    # Their kernels' gradients stay factors: 2 * 2048 + 2048 floats per
+    # example, not d = 4.2M (8 rows above), so 256 rows fit in 32 MiB.
+    monkeypatch.setattr(vectorized_backprop, 'gpu_visible', lambda: gpu)
+    _check_default_physical_batch_size(
+        lambda: tf.keras.Sequential([tf.keras.Input((2048,)),
+                                     tf.keras.layers.Dense(2048)]), None, 256)
+    # The ScatterNet linear model (GroupNorm - Dense): on a CPU its
+    # d = 39,700 would give 128 rows.
+    _check_default_physical_batch_size(models.linear, None, 256)
 
 
 def _check_default_physical_batch_size(make_model, expected_batch_size, want):

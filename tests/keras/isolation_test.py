@@ -4,12 +4,13 @@ A record with a NaN, inf or huge (1e38: finite, but it overflows inside the
 network, e.g. through GroupNorm) feature, with sample weight 1 or 0, must
 leave every other record's clipped masked contribution unchanged, on both
 training paths (DPModel with its own mechanism, and DPModel compiled with a
-tf_twice DP optimizer), for the reference CNN and ResNet22. With noise 0 the
-update of a batch holding the bad record, minus the update of the same batch
-with that record's weight set to 0, is the bad record's own contribution:
-0 when its gradient is non-finite or its weight is 0, and of l2 norm at most
-lr * c2 / (B_exp * q2) otherwise. Per-example gradients from one batched
-forward pass fail this: 0 * NaN = NaN spreads the bad row to every row.
+tf_twice DP optimizer), for the reference CNN, ResNet22 and the ScatterNet
+linear model (GroupNorm - Dense). With noise 0 the update of a batch holding
+the bad record, minus the update of the same batch with that record's weight
+set to 0, is the bad record's own contribution: 0 when its gradient is
+non-finite or its weight is 0, and of l2 norm at most lr * c2 / (B_exp * q2)
+otherwise. Per-example gradients from one batched forward pass fail this:
+0 * NaN = NaN spreads the bad row to every row.
 """
 
 import numpy as np
@@ -119,6 +120,16 @@ def test_resnet22_rows_are_isolated(path):
     x, y = _images(4, (16, 16, 3))
     inner = models.resnet22((16, 16, 3))
     _check_isolation(_private(inner, path), x, y)
+
+
+@pytest.mark.parametrize('linf_norm_clip', [None, C_INF])
+@pytest.mark.parametrize('path', PATHS)
+def test_linear_model_rows_are_isolated(path, linf_norm_clip):
+    # GroupNorm - Dense: the kernel's gradients are aggregated from their
+    # factors (norms, the float64 sum, the grouped clip-mask-sum kernel).
+    x, y = _images(7, (4, 4, 6))
+    inner = models.linear((4, 4, 6), groups=2)
+    _check_isolation(_private(inner, path, linf_norm_clip), x, y)
 
 
 def _sparse_ce_function(y_true, y_pred):

@@ -1,6 +1,8 @@
 """Tests of the per-tensor kernels' row sum (the fused clip-mask-sum),
 the zero rows it is padded with, and the ops that sum over examples."""
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -44,6 +46,36 @@ def test_rows_are_zero_padded_to_a_multiple_of_8(rows):
     np.testing.assert_array_equal(padded_x[rows:], 0)
     np.testing.assert_array_equal(padded_words[:rows], words)
     np.testing.assert_array_equal(padded_words[rows:], 0)
+
+
+# Rows per group: a CPU's, another, and a GPU's one group of all rows. 0
+# rows: no group (the XLA loop is not run).
+@pytest.mark.parametrize('group_rows', [32, 8, None])
+@pytest.mark.parametrize('rows', [0, 1, 40, 100])
+@pytest.mark.parametrize('q2, c_inf', [(0.5, 0.05), (0.25, None),
+                                       (1.0, 0.05)])
+def test_factored_sums_are_the_written_out_ones_in_every_layout(
+        group_rows, rows, q2, c_inf):
+    rng = np.random.default_rng(rows)
+    left = tf.constant(rng.standard_normal((rows, 7)), tf.float32)
+    right = tf.constant(rng.standard_normal((rows, 3)), tf.float32)
+    plain = tf.constant(rng.standard_normal((rows, 2)), tf.float32)
+    scale = tf.constant(rng.uniform(0.1, 1.0, rows), tf.float32)
+    weights = tf.constant(rng.uniform(0.0, 1.0, rows), tf.float32)
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(0))
+
+    @tf.function
+    def sums(factored):
+        g = outer_products.OuterProducts(left, right)
+        return kernels.sum_block(
+            [g if factored else g.materialize(), plain], scale, weights,
+            c_inf, q2, None, key, 3, True)
+
+    with mock.patch.object(kernels, '_group_rows', lambda: group_rows):
+        got = sums(True)
+    for a, b in zip(got, sums(False)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5,
+                                   atol=1e-6)
 
 
 _MATRIX_PRODUCTS = ('MatMul', 'BatchMatMul', 'BatchMatMulV2', 'BatchMatMulV3',

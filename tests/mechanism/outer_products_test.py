@@ -168,6 +168,26 @@ def test_norms_at_the_float32_extremes(c_inf, written_out):
             np.testing.assert_allclose(contribution, c_inf, rtol=1e-6)
 
 
+# Ordinary rows (their left norms summed in float32); rows so small or so
+# large that float32 sums of squares would lose or overflow them; a zero
+# (padding) row among ordinary ones; a NaN row. All but the first are
+# summed in float64.
+@pytest.mark.parametrize('scale, odd_row', [
+    (1.0, None), (1e-15, None), (1e20, None), (1.0, 0.0), (1.0, np.nan)])
+@pytest.mark.parametrize('float32_first', [True, False])
+def test_norms_are_the_float64_ones(scale, odd_row, float32_first):
+    rng = np.random.default_rng(5)
+    left = (rng.standard_normal((6, 300)) * scale).astype(np.float32)
+    right = rng.standard_normal((6, N)).astype(np.float32)
+    if odd_row is not None:
+        left[4] = odd_row
+    got = tf.function(lambda a, b: outer_products.squared_norms(
+        outer_products.OuterProducts(a, b), float32_first))(left, right)
+    want = ((left.astype(np.float64)**2).sum(1)
+            * (right.astype(np.float64)**2).sum(1)).astype(np.float32)
+    np.testing.assert_allclose(got.numpy(), want, rtol=2e-6)
+
+
 @pytest.mark.parametrize('q2, c_inf', [(1.0, None), (0.5, None),
                                        (1.0, 1.0)])
 def test_a_tiny_factor_times_the_clip_factor_is_exact(q2, c_inf):

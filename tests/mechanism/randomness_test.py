@@ -50,6 +50,24 @@ def test_each_coordinate_reads_its_own_bits(q2, shape, jit_compile):
     np.testing.assert_array_equal(np.reshape(masks, (4, d)), want)
 
 
+@pytest.mark.parametrize('q2', [0.5, 0.25, 0.0625, 3 / 256, 1 / 3])
+@pytest.mark.parametrize('shape', [(3, 10), (2, 3, 24), (7,), (4, 1), (),
+                                   (3, 0)])
+def test_rows_last_masks_read_the_same_bits(q2, shape):
+    # The factored kernels read the masks with the rows last (words
+    # transposed): each coordinate must get the bits it gets rows first.
+    d = math.prod(shape)
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(2))
+    words = randomness.row_mask_words(key, 1, 5, 7, d, q2)
+    masks = tf.function(
+        lambda w: randomness.masks_from_words_rows_last(
+            tf.transpose(w), shape, q2), jit_compile=True)(words)
+    assert masks.shape == shape + (5,)
+    want = _reference_masks(words.numpy(), d, q2)
+    np.testing.assert_array_equal(
+        np.reshape(np.moveaxis(masks.numpy(), -1, 0), (5, d)), want)
+
+
 @pytest.mark.parametrize('dtype', [tf.int32, tf.int64, tf.complex64])
 def test_noise_of_a_non_float_dtype_is_refused(dtype):
     # An int64 or complex64 tensor once picked a transform in its own dtype

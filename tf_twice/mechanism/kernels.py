@@ -80,7 +80,7 @@ def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
     for g in grads:
         d = _num_elements(g.shape[1:])
         if isinstance(g, OuterProducts):
-            squares.append(outer_products.squared_norms(g))
+            squares.append(outer_products.squared_norms(g, not in_xla))
         elif d > 0:
             flat = tf.reshape(g, [-1, d])
             squares.append(
@@ -111,17 +111,18 @@ def _zero_rows(x: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
 
 def drop_non_finite(grads: Sequence[PerExample],
                      finite: tf.Tensor) -> List[PerExample]:
-    # 0 * NaN is NaN, so non-finite examples must be zeroed, not scaled. The
-    # full-size select only runs when such an example is present; factors
-    # are small and always selected (both: 0 * NaN is NaN).
-    tensors = [g for g in grads if not isinstance(g, OuterProducts)]
-    if tensors:
-        tensors = tf.cond(
-            tf.reduce_all(finite), lambda: [tf.identity(g) for g in tensors],
-            lambda: [_zero_rows(g, finite) for g in tensors])
-    tensors = iter(tensors)
-    return [OuterProducts(*(_zero_rows(t, finite) for t in g))
-            if isinstance(g, OuterProducts) else next(tensors) for g in grads]
+    # 0 * NaN is NaN, so non-finite examples must be zeroed, not scaled,
+    # before any sum over rows (a factor's as much as a written-out
+    # gradient's). The selects only run when such an example is present.
+    def zeroed(g):
+        if isinstance(g, OuterProducts):
+            return OuterProducts(*(_zero_rows(t, finite) for t in g))
+        return _zero_rows(g, finite)
+
+    return tf.cond(
+        tf.reduce_all(finite),
+        lambda: tf.nest.map_structure(tf.identity, list(grads)),
+        lambda: [zeroed(g) for g in grads])
 
 
 def _contributions(
@@ -132,6 +133,7 @@ def _contributions(
     mask_words: Optional[tf.Tensor],
     coordinate_sampling_rate: float,
     linf_norm_clip: Optional[float],
+    rows_last: bool = False,
 ) -> tf.Tensor:
     """Each example's contribution on one [B, ...] tensor, elementwise:
     coef * mask * clip_inf(scale * g), for the caller to sum over B.
@@ -140,18 +142,23 @@ def _contributions(
     (`randomness.row_mask_words`, coordinates in row-major order), else
     none. Without l-infinity clipping the scale is left to the caller's
     per-row coefficient (masking commutes with a per-row scale).
+    ``rows_last``: x is [..., B] and ``mask_words`` [units, B] instead
+    (`randomness.masks_from_words_rows_last`).
     """
+    per_row = (lambda v, _: v) if rows_last else _per_row
     if linf_norm_clip is not None:
         c_inf = precision.clip_constant('linf_norm_clip', linf_norm_clip,
                                         x.dtype)
-        x = tf.clip_by_value(x * _per_row(scale, x), -c_inf, c_inf)
+        x = tf.clip_by_value(x * per_row(scale, x), -c_inf, c_inf)
     if mask is None and mask_words is not None:
-        mask = randomness.masks_from_words(mask_words, x.shape[1:],
-                                           coordinate_sampling_rate)
+        mask = (randomness.masks_from_words_rows_last(
+            mask_words, x.shape[:-1], coordinate_sampling_rate) if rows_last
+            else randomness.masks_from_words(mask_words, x.shape[1:],
+                                             coordinate_sampling_rate))
     if mask is not None:
         x = tf.where(mask, x, tf.zeros_like(x))
     if coef is not None:
-        x = x * _per_row(coef, x)
+        x = x * per_row(coef, x)
     return x
 
 
@@ -216,9 +223,50 @@ def _clip_mask_and_sum(
                      _REDUCE_SLICES_FIRST)
 
 
+# Rows per group of `_outer_clip_mask_and_sum`'s loop, on a CPU.
+_GROUP_ROWS = 32
+
+
+def _group_rows() -> Optional[int]:
+    """Rows per group of the factored sums: `_GROUP_ROWS` on a CPU; where
+    TensorFlow sees a GPU, whose kernels are parallel over the rows
+    themselves, one group of all rows (None)."""
+    return None if tf.config.list_logical_devices('GPU') else _GROUP_ROWS
+
+
+def _rows_last_groups(t: Optional[tf.Tensor],
+                      rows: Optional[int]) -> Optional[tf.Tensor]:
+    """[B, ...] (B a multiple of ``rows``) -> [B / rows, ..., rows]: groups
+    of rows, the rows last (None: one group of all B rows). A TensorFlow
+    transpose, outside XLA: XLA's own took as long as the rest of the
+    kernel on TensorFlow 2.21."""
+    if t is None:
+        return None
+    t = tf.reshape(t, [-1 if rows else 1, rows or -1]
+                   + t.shape[1:].as_list())
+    return tf.transpose(t, [0] + list(range(2, t.shape.rank)) + [1])
+
+
+def _launch(jobs: Any, groups: Any, shapes: Sequence[Sequence[int]],
+            coordinate_sampling_rate: float,
+            linf_norm_clip: Optional[float]) -> List[tf.Tensor]:
+    """`_clip_mask_and_sum_all_fused` of ``jobs`` (jobs, scale, coef) and
+    ``groups`` (the factored ones, `_rows_last_groups`), its sums flat, or
+    zeros of ``shapes`` where ``groups`` has no row group: XLA cannot
+    compile the loop's slice of an empty axis (a chunk without rows)."""
+    def run():
+        return tf.nest.flatten(_clip_mask_and_sum_all_fused(
+            *jobs, groups, coordinate_sampling_rate, linf_norm_clip))
+
+    if groups is None:
+        return run()
+    return tf.cond(tf.shape(groups[1])[0] > 0, run,
+                   lambda: [tf.zeros(shape, groups[1].dtype)
+                            for shape in shapes])
+
+
 def _outer_clip_mask_and_sum(
-    left: tf.Tensor,
-    right: tf.Tensor,
+    groups: OuterProducts,
     scale: tf.Tensor,
     coef: Optional[tf.Tensor],
     mask_words: Optional[tf.Tensor],
@@ -226,12 +274,33 @@ def _outer_clip_mask_and_sum(
     linf_norm_clip: Optional[float],
 ) -> tf.Tensor:
     """`_clip_mask_and_sum` of g_i = left_i right_i^T, each g_i formed
-    inside the kernel (XLA fuses the product into the pass, so [B, m, n]
-    is never written). Kept [B, m, n]: flattened to [B, m * n] the fused
-    loop ran 1.3-1.9x slower than writing g_i out (TensorFlow 2.21 / 2.15)."""
-    return _clip_mask_and_sum(left[:, :, None] * right[:, None, :], scale,
-                              coef, None, mask_words, coordinate_sampling_rate,
-                              linf_norm_clip)
+    inside the kernel, so [B, m, n] is never written.
+
+    Its arguments come in `_rows_last_groups` (left [B / G, m, G], scale
+    [B / G, G], ...), and a loop adds one group of G rows at a time: each
+    round forms [m, n, G] in the cache and sums its last axis in the same
+    fused pass (on a GPU one round of all rows, `_group_rows`).
+    Summed over all B rows at once, XLA (TensorFlow 2.21) wrote [B, m, n]
+    out before its sum: 3x the time on the ScatterNet linear model's
+    [512, 3,969, 10] (one CPU thread). With the rows first the loop took
+    1.6x as long: rows last, a coordinate's mask bits are one shift of one
+    word, the same in every row.
+    """
+    left, right = groups
+    m, n = left.shape[1], right.shape[1]
+
+    def body(t, total):
+        x = left[t][:, None, :] * right[t][None, :, :]  # [m, n, G]
+        x = _contributions(
+            x, scale[t], None if coef is None else coef[t], None,
+            None if mask_words is None else mask_words[t],
+            coordinate_sampling_rate, linf_norm_clip, rows_last=True)
+        return t + 1, total + tf.reduce_sum(x, axis=-1)
+
+    _, total = tf.while_loop(
+        lambda t, _: t < tf.shape(left)[0], body,
+        (tf.constant(0), tf.zeros([m, n], left.dtype)))
+    return total
 
 
 class _Job(NamedTuple):
@@ -247,19 +316,24 @@ def _clip_mask_and_sum_all(
     jobs: Sequence[_Job],
     scale: tf.Tensor,
     coef: Optional[tf.Tensor],
+    outer: Optional[Tuple[Sequence[_Job], tf.Tensor, Optional[tf.Tensor]]],
     coordinate_sampling_rate: float,
     linf_norm_clip: Optional[float],
-) -> List[tf.Tensor]:
+) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
     """`_clip_mask_and_sum` of every tensor of a block, for one XLA kernel
-    launch per block and chunk instead of one per tensor."""
-    return [
-        _outer_clip_mask_and_sum(*job.gradients, scale, coef, job.mask_words,
-                                 coordinate_sampling_rate, linf_norm_clip)
-        if isinstance(job.gradients, OuterProducts) else
-        _clip_mask_and_sum(job.gradients, scale, coef, job.mask,
-                           job.mask_words, coordinate_sampling_rate,
-                           linf_norm_clip)
-        for job in jobs]
+    launch per block and chunk instead of one per tensor: the sums of
+    ``jobs`` ([B, d] gradients), then of ``outer`` (its factored jobs,
+    scale and coef, in `_rows_last_groups`), or none."""
+    sums = [_clip_mask_and_sum(job.gradients, scale, coef, job.mask,
+                               job.mask_words, coordinate_sampling_rate,
+                               linf_norm_clip) for job in jobs]
+    if outer is None:
+        return sums, []
+    outer_jobs, outer_scale, outer_coef = outer
+    return sums, [
+        _outer_clip_mask_and_sum(job.gradients, outer_scale, outer_coef,
+                                 job.mask_words, coordinate_sampling_rate,
+                                 linf_norm_clip) for job in outer_jobs]
 
 
 # Unpacking the mask bits, clipping, selection and the sum over examples in
@@ -272,17 +346,18 @@ _clip_mask_and_sum_all_fused = tf.function(_clip_mask_and_sum_all,
                                            jit_compile=True)
 
 
-def _pad_rows(tensors: Any) -> Any:
-    """Zero rows up to a multiple of 8, as `_sum_rows` needs, for every
-    tensor of the nest (None stays None). XLA compiles its kernel once per
-    row count (300-500 ms CPU for the reference CNN's tensors), so this also
-    bounds the compiles where a Poisson batch is aggregated whole
-    (`clipped_masked_sum` in a custom loop: a new count at almost every
-    step; DPModel's chunks already come in at most 8 sizes,
-    `per_example.chunk_of`). Zero rows (zero gradient, scale, weight, mask
-    words) contribute nothing; padding by 0 rows forwards the tensor."""
+def _pad_rows(tensors: Any, multiple: int = _ROW_SLICES) -> Any:
+    """Zero rows up to a multiple of 8, as `_sum_rows` needs (or of
+    ``multiple``), for every tensor of the nest (None stays None). XLA
+    compiles its kernel once per row count (300-500 ms CPU for the
+    reference CNN's tensors), so this also bounds the compiles where a
+    Poisson batch is aggregated whole (`clipped_masked_sum` in a custom
+    loop: a new count at almost every step; DPModel's chunks already come
+    in at most 8 sizes, `per_example.chunk_of`). Zero rows (zero gradient,
+    scale, weight, mask words) contribute nothing; padding by 0 rows
+    forwards the tensor."""
     flat = [t for t in tf.nest.flatten(tensors) if t is not None]
-    extra = (-tf.shape(flat[0])[0]) % _ROW_SLICES
+    extra = (-tf.shape(flat[0])[0]) % multiple
     return tf.nest.map_structure(
         lambda t: None if t is None else tf.pad(
             t, [[0, extra]] + [[0, 0]] * (t.shape.rank - 1)), tensors)
@@ -350,9 +425,22 @@ def sum_block(
                               words, coordinate_sampling_rate, linf_norm_clip)
         sums[k] = tf.reshape(tf.reduce_sum(flat, axis=0), g.shape[1:])
     if jobs:
-        padded = _pad_rows(([job for _, job in jobs], scale, coef))
-        totals = _clip_mask_and_sum_all_fused(
-            *padded, coordinate_sampling_rate, linf_norm_clip)
-        for (k, _), total in zip(jobs, totals):
+        written = [(k, job) for k, job in jobs
+                   if not isinstance(job.gradients, OuterProducts)]
+        factored = [(k, job) for k, job in jobs
+                    if isinstance(job.gradients, OuterProducts)]
+        outer = None
+        if factored:
+            rows = _group_rows()
+            outer = tf.nest.map_structure(
+                lambda t: _rows_last_groups(t, rows), _pad_rows(
+                    ([job for _, job in factored], scale, coef), rows or 1))
+        # Sums: [d] of each written-out tensor, then [m, n] of each factored.
+        shapes = ([[_num_elements(grads[k].shape[1:])] for k, _ in written]
+                  + [grads[k].shape[1:] for k, _ in factored])
+        totals = _launch(_pad_rows(([job for _, job in written], scale,
+                                    coef)), outer, shapes,
+                         coordinate_sampling_rate, linf_norm_clip)
+        for (k, _), total in zip(written + factored, totals):
             sums[k] = tf.reshape(total, grads[k].shape[1:])
     return sums

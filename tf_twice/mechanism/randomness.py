@@ -43,6 +43,7 @@ __all__ = [
     'draw_step_key',
     'mask_stream',
     'masks_from_words',
+    'masks_from_words_rows_last',
     'noise_stream',
     'row_mask_words',
     'row_masks',
@@ -166,6 +167,33 @@ def masks_from_words(words, shape, q2):
         units = tf.reshape(units, [tf.shape(units)[0], -1])[:, :d]
     return tf.less(tf.reshape(units, [-1] + shape),
                    tf.constant(threshold, unit))
+
+
+def masks_from_words_rows_last(words, shape, q2):
+    """`masks_from_words` with the rows last: ``words`` [units, rows] (the
+    transpose of `row_mask_words`' [rows, units]) -> [*shape, rows] masks,
+    each coordinate reading the same bits as there.
+
+    For a kernel that runs over the rows innermost (`kernels`' factored
+    sums): coordinate c's bits then sit at one shift of one word for every
+    row. Every mask width b divides 32, so coordinate c is bits
+    (c % (32 / b)) * b onwards of word c // (32 / b), the place the bytes
+    of `masks_from_words` give it (little-endian).
+    """
+    shape = [int(s) for s in shape]
+    d = math.prod(shape)
+    rows = tf.shape(words)[1]
+    if d == 0:
+        return tf.zeros(tf.concat([shape, [rows]], 0), tf.bool)
+    bits = mask_bits_per_coordinate(q2)
+    threshold = int(effective_coordinate_sampling_rate(q2) * 2**bits)
+    shifts = tf.constant(list(range(0, 32, bits)), tf.uint32)
+    units = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(words[:, None, :], shifts[None, :, None]),
+        tf.constant(2**bits - 1, tf.uint32))
+    units = tf.reshape(units, [-1, rows])[:d]  # Coordinate-major.
+    return tf.less(tf.reshape(units, shape + [rows]),
+                   tf.constant(threshold, tf.uint32))
 
 
 def coordinate_masks(
