@@ -1,0 +1,191 @@
+"""DP training speed of the ScatterNet linear model against Keras's own fit.
+
+The model is ``tf_twice.models.linear()`` (features [7, 7, 81] ->
+GroupNormalization(27 groups, no parameters) -> Flatten -> Dense(10):
+39,700 parameters), the mechanism Tramer & Boneh's Fashion-MNIST recipe
+(n = 58,000, expected batch 8,192, SGD lr 16 momentum 0.9, c2 = 0.1, noise
+multiplier 3.6), on random features (speed does not depend on the data).
+Rows, timed side by side in one process, alternating (the order rotates by
+one each round) for several rounds of ``--steps`` steps each:
+
+  * ``non-private fit``: Keras ``fit`` on the plain model (no XLA);
+  * ``DP-SGD``: ``DPModel``, q2 = 1, no l-infinity clip;
+  * ``twice``: ``DPModel``, q2 = 0.5, c_inf = c2 / 10.
+
+Every row trains on the same fixed batches of ``--batch_size`` rows (the DP
+step is the same computation on a Poisson batch of that size). Prints, per
+row, examples per wall-clock second and per CPU second (median and range
+over rounds), then the paired ratios, each round's and their median and
+range, against the targets: DP-SGD >= 0.8x non-private fit, and twice
+sampling <= 1.5x DP-SGD's time per example. Usage:
+
+  python benchmarks/linear_model_benchmark.py                # 7 rounds
+  python benchmarks/linear_model_benchmark.py --quick        # < 1 minute
+  python benchmarks/linear_model_benchmark.py --physical_batch_size 512
+  TF_USE_LEGACY_KERAS=1 python benchmarks/linear_model_benchmark.py  # Keras 2
+
+Wall-clock figures on a shared host move with its load; the CPU-second
+ratios move less.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Dict, List, Tuple
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+
+from tf_twice import _keras  # noqa: E402
+from tf_twice import models  # noqa: E402
+from tf_twice.config import TwiceSamplingConfig  # noqa: E402
+from tf_twice.keras import DPModel  # noqa: E402
+
+NUM_EXAMPLES, L2_CLIP, NOISE, LR = 58_000, 0.1, 3.6, 16.0
+FIT, DP_SGD, TWICE = 'non-private fit', 'DP-SGD q2=1', 'twice q2=0.5'
+# (row, against, bound): examples/s of row over against's at least bound,
+# or, for a negative bound, time per example at most -bound times.
+TARGETS = ((DP_SGD, FIT, 0.8), (TWICE, DP_SGD, -1.5))
+
+
+def _optimizer():
+    return tf.keras.optimizers.SGD(LR, momentum=0.9)
+
+
+def _loss():
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def build(name: str, batch: int, physical) -> tf.keras.Model:
+    tf.keras.utils.set_random_seed(0)
+    model = models.linear()
+    if name == FIT:
+        model.compile(optimizer=_optimizer(), loss=_loss(),
+                      jit_compile=False)
+        return model
+    twice = name == TWICE
+    config = TwiceSamplingConfig.single(
+        num_examples=NUM_EXAMPLES, expected_batch_size=batch,
+        l2_norm_clip=L2_CLIP, noise_multiplier=NOISE,
+        linf_norm_clip=L2_CLIP / 10 if twice else None,
+        coordinate_sampling_rate=0.5 if twice else 1.0)
+    private = DPModel(model, config, physical_batch_size=physical, seed=0)
+    private.compile(optimizer=_optimizer(), loss=_loss())
+    return private
+
+
+class _StepClock(tf.keras.callbacks.Callback):
+    """Wall-clock and CPU seconds (all threads) spent in a fit's steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.wall = self.cpu = 0.0
+        self._start = (0.0, 0.0)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.wall += time.perf_counter() - self._start[0]
+        self.cpu += time.process_time() - self._start[1]
+
+
+def time_fit(model, data, steps: int, batch: int) -> Tuple[float, float]:
+    """Examples per wall-clock second and per CPU second of ``steps`` steps
+    of ``fit``, timed step by step: a fit call's own set-up and tear-down
+    are not counted (on the 2-core host they rounded some calls' wall time
+    up to multiples of about 1.3 s, whatever the model)."""
+    clock = _StepClock()
+    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0,
+              callbacks=[clock])
+    return steps * batch / clock.wall, steps * batch / clock.cpu
+
+
+def run(args) -> Dict[str, List[Tuple[float, float]]]:
+    batch = args.batch_size
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2 * batch, 7, 7, 81), dtype=np.float32)
+    y = rng.integers(0, 10, 2 * batch)
+    data = (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+            .cache().repeat())
+    names = [FIT, DP_SGD, TWICE]
+    built = {}
+    for name in names:
+        built[name] = build(name, batch, args.physical_batch_size)
+        time_fit(built[name], data, 2, batch)  # Traced, compiled, warm.
+    print(f'physical batch: {built[DP_SGD].physical_batch_size}', flush=True)
+    results: Dict[str, List[Tuple[float, float]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            results[name].append(time_fit(built[name], data, args.steps,
+                                          batch))
+        print(f'  round {r + 1}: ' + ', '.join(
+            f'{n} {results[n][-1][0]:,.0f}' for n in names), flush=True)
+    return results
+
+
+def _summary(values: List[float], form: str) -> str:
+    return (f'{statistics.median(values):{form}} '
+            f'({min(values):{form}} to {max(values):{form}})')
+
+
+def report(results: Dict[str, List[Tuple[float, float]]]) -> None:
+    width = max(len(name) for name in results)
+    for clock, label in ((0, 'wall-clock second'), (1, 'CPU second')):
+        print(f'examples per {label}, median (range) over rounds:')
+        for name, rows in results.items():
+            print(f'  {name:{width}s} '
+                  f'{_summary([row[clock] for row in rows], ",.0f")}')
+    print('paired ratios of examples/s (each round; median (range)):')
+    for row, against, bound in TARGETS:
+        for clock, label in ((0, 'wall'), (1, 'CPU')):
+            ratios = [a[clock] / b[clock]
+                      for a, b in zip(results[row], results[against])]
+            if bound < 0:  # Time per example.
+                ratios = [1 / v for v in ratios]
+                what, goal = f'time/example {row} / {against}', -bound
+                meets = statistics.median(ratios) <= goal
+            else:
+                what, goal = f'{row} / {against}', bound
+                meets = statistics.median(ratios) >= goal
+            print(f'  {what} ({label}): '
+                  + ' '.join(f'{v:.2f}' for v in ratios)
+                  + f'; {_summary(ratios, ".2f")}; target '
+                  + f'{"<=" if bound < 0 else ">="} {goal:.2f}: '
+                  + ('met' if meets else 'NOT met'))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--rounds', type=int, default=7)
+    parser.add_argument('--steps', type=int, default=5,
+                        help='steps per row per round')
+    parser.add_argument('--batch_size', type=int, default=8192)
+    parser.add_argument('--physical_batch_size', type=int, default=None,
+                        help="default: DPModel's default")
+    parser.add_argument('--quick', action='store_true',
+                        help='3 rounds of 2 steps: a smoke run, not figures')
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 3, 2
+    print(f'TensorFlow {tf.__version__}, {_keras.KERAS_PACKAGE} '
+          f'{_keras.KERAS_VERSION}, '
+          f'batch {args.batch_size}, {args.rounds} rounds of {args.steps} '
+          'steps', flush=True)
+    with warnings.catch_warnings():
+        # Fixed batches, no ledger: DPModel warns that nothing accounts.
+        warnings.simplefilter('ignore')
+        results = run(args)
+    report(results)
+
+
+if __name__ == '__main__':
+    main()
