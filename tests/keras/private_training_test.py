@@ -163,3 +163,30 @@ def test_epochs_plan_rounds_up_to_whole_steps():
     training = _wire(epochs=1.3)
     assert training.steps == math.ceil(1.3 * 4) == 6
     assert training.epochs == 2
+
+
+def test_fit_without_the_ledger_in_callbacks_still_stops_at_the_plan():
+    # A forgotten callbacks=[ledger] must not overrun the budget: the
+    # model's attached ledger accounts every fit and stops it at the plan.
+    training = _wire(steps=6)
+    model = training.model
+    assert model.attached_ledger is training.ledger
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=_loss())
+    model.fit(training.data, epochs=5, verbose=0)  # 20 steps offered.
+    assert training.ledger.steps == 6 == int(model.optimizer.iterations)
+    assert training.ledger.epsilon <= TARGET
+    # A second fit runs no step past the plan.
+    model.fit(training.data, epochs=1, verbose=0)
+    assert training.ledger.steps == 6 == int(model.optimizer.iterations)
+
+
+def test_another_ledger_than_the_attached_one_is_refused():
+    training = _wire(steps=6)
+    model = training.model
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=_loss())
+    other = PrivacyLedger.for_model(model, delta=DELTA, verbose=0)
+    with pytest.raises(ValueError, match='attached'):
+        model.fit(training.data, epochs=1, callbacks=[other], verbose=0)
+    assert int(model.optimizer.iterations) == 0
+    with pytest.raises(ValueError, match='PrivacyLedger'):
+        model.attach_ledger(object())

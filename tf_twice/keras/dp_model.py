@@ -51,6 +51,7 @@ from tf_twice.keras import class_weights
 from tf_twice.keras import dp_step
 from tf_twice.keras import fit_checks
 from tf_twice.keras import guards
+from tf_twice.keras import ledger as ledger_lib
 from tf_twice.keras import ledger_binding
 from tf_twice.keras import per_example
 from tf_twice.keras.per_example import default_physical_batch_size
@@ -199,6 +200,8 @@ class DPModel(tf.keras.Model):
         # with (`key_streams`): the ledger charges the steps they drew,
         # also those of an optimizer replaced since, however it was.
         object.__setattr__(self, '_stepped_streams', [])
+        # `attach_ledger`'s: not saved, not tracked (a Keras callback).
+        object.__setattr__(self, '_attached_ledger', None)
         self._example_loss = None
 
     if not _keras.IS_KERAS_3:
@@ -279,6 +282,31 @@ class DPModel(tf.keras.Model):
         config is compiled with a tf_twice DP optimizer)."""
         aggregator = self.aggregator
         return None if aggregator is None else aggregator.config
+
+    @property
+    def attached_ledger(self) -> Optional[ledger_lib.PrivacyLedger]:
+        """The ``PrivacyLedger`` every ``fit`` runs with (``attach_ledger``;
+        ``make_private`` attaches its own), or None."""
+        return self._attached_ledger
+
+    def attach_ledger(self, ledger: ledger_lib.PrivacyLedger) -> None:
+        """Makes every later ``fit`` account its steps with ``ledger``.
+
+        ``fit`` adds ``ledger`` to its callbacks when they hold no
+        ``PrivacyLedger`` (and says so in one log line), and refuses
+        callbacks holding another one: a forgotten ``callbacks=[ledger]``
+        can then neither train past the ledger's ``max_steps`` or
+        ``target_epsilon`` nor leave steps unaccounted.
+
+        Raises:
+          ValueError: ``ledger`` is not a PrivacyLedger of this model's
+            event.
+        """
+        if not isinstance(ledger, ledger_lib.PrivacyLedger):
+            raise ValueError('ledger must be a tf_twice.keras.PrivacyLedger; '
+                             f'got {type(ledger).__name__}.')
+        guards.check_ledger_event(ledger.event, self)
+        object.__setattr__(self, '_attached_ledger', ledger)
 
     @property
     def basis(self) -> Optional[basis_lib.HybridBasis]:
@@ -459,8 +487,11 @@ class DPModel(tf.keras.Model):
             **kwargs):
         """``tf.keras.Model.fit``, checked against its privacy ledgers.
 
-        Each element of ``x`` is one logical batch, i.e. one DP step. When a
-        ``PrivacyLedger`` is among ``callbacks``, before any step runs:
+        Each element of ``x`` is one logical batch, i.e. one DP step. A
+        ledger attached to the model (``attach_ledger``; ``make_private``
+        attaches its own) is added to ``callbacks`` when they hold no
+        ledger. When a ``PrivacyLedger`` is among ``callbacks``, before any
+        step runs:
 
         * ``x`` must be Poisson-sampled logical batches
           (``tf_twice.sampling.poisson_batches``) of the config's n examples
@@ -501,6 +532,7 @@ class DPModel(tf.keras.Model):
             raise ValueError('allow_non_poisson_input must be True or False; '
                              f'got {allow_non_poisson_input!r}.')
         self._require_aggregator()
+        callbacks = fit_checks.with_attached_ledger(self, callbacks)
         fit_checks.check_fit(self, x, callbacks, args, kwargs,
                              strict=not allow_non_poisson_input,
                              nonprivate_prefix=NONPRIVATE_PREFIX)

@@ -15,6 +15,7 @@ a model artifact must have its basis back (``set_basis``, or a
 ``BasisRefresh`` callback before the first step).
 """
 
+import logging
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -24,7 +25,35 @@ from tf_twice.keras import layer_state
 from tf_twice.keras import ledger as ledger_lib
 from tf_twice.keras import per_example
 
-__all__ = ['check_fit']
+__all__ = ['check_fit', 'with_attached_ledger']
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def with_attached_ledger(model: Any, callbacks: Any) -> Any:
+    """``fit``'s callbacks with ``model.attached_ledger`` first where they
+    hold no ledger (so that every callback after it sees
+    ``logs['epsilon']``).
+
+    Raises:
+      ValueError: the callbacks hold a ledger other than the attached one,
+        which would leave the attached ledger's budget and plan unenforced.
+    """
+    attached = model.attached_ledger
+    if attached is None:
+        return callbacks
+    ledgers = ledger_lib.ledgers_in(callbacks)
+    if any(ledger is not attached for ledger in ledgers):
+        raise ValueError(
+            f'{model.name} has a PrivacyLedger attached (by make_private or '
+            'attach_ledger), and fit\'s callbacks hold another one: pass '
+            'the attached ledger (training.ledger), or none.')
+    if ledgers:
+        return callbacks
+    if attached.verbose:
+        _LOGGER.warning('DPModel.fit: accounting with the attached '
+                        'PrivacyLedger (not in callbacks, so added).')
+    return [attached] + guards.fit_callbacks(callbacks)
 
 
 def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],

@@ -275,6 +275,11 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         return self._budget.delta
 
     @property
+    def verbose(self) -> int:
+        """0: no messages logged (on stopping, loading, attaching)."""
+        return self._verbose
+
+    @property
     def target_epsilon(self) -> Optional[float]:
         return self._budget.target_epsilon
 

@@ -16,7 +16,9 @@ Guarantee: the noise is calibrated (when the config has none) so that the
 planned ``steps`` give at most ``target_epsilon`` at ``delta``; the data are
 Poisson samples at the config's q1 of its n examples; the ledger's event is
 the model's (``DPModel.dp_event``), it stops training after the planned
-steps (``max_steps``) and before any step past ``target_epsilon``. Nothing
+steps (``max_steps``) and before any step past ``target_epsilon``, and it
+is attached to the model (``DPModel.attach_ledger``): every ``fit`` runs
+with it, whether or not ``callbacks`` names it. Nothing
 is described twice, so nothing can disagree.
 """
 
@@ -45,7 +47,8 @@ class PrivateTraining(NamedTuple):
       model: the ``DPModel`` (compile it with a plain Keras optimizer).
       data: Poisson-sampled logical batches, one epoch (1 / q1 steps) per
         iteration; every iteration draws fresh batches.
-      ledger: the ``PrivacyLedger`` to pass to ``fit``'s callbacks.
+      ledger: the ``PrivacyLedger``, attached to the model: ``fit`` adds
+        it to its callbacks when they hold no ledger.
       steps: the planned number of DP steps (the ledger's ``max_steps``).
       epochs: iterations of ``data`` that cover ``steps``: pass it to
         ``fit``; the ledger stops after exactly ``steps`` steps.
@@ -158,6 +161,9 @@ def make_private(
         private, delta=delta, target_epsilon=target_epsilon,
         max_steps=steps, state_path=state_path, log_dir=log_dir,
         verbose=verbose)
+    # Every fit of the model accounts with this ledger, passed in
+    # callbacks or not: a forgotten ledger must not overrun the plan.
+    private.attach_ledger(ledger)
     # A run resumed from the ledger's state file samples from another
     # stream (the seed mixed with the steps charged), starting after those
     # steps: with the same data_seed, no logical batch of the earlier run
