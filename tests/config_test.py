@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 
 import dp_accounting
 import pytest
@@ -172,3 +173,20 @@ def test_dict_round_trip_through_json():
     assert restored == config
     with pytest.raises(ValueError, match='TwiceSamplingConfig version 1'):
         TwiceSamplingConfig.from_dict({'num_examples': 3})
+
+
+def test_swapped_clips_and_a_large_delta_are_warned_once():
+    # Sound settings, so warned rather than refused: an l-infinity clip
+    # above the l2 clip clips nothing (the two were likely swapped), and
+    # delta >= 1 / n allows a record in the clear.
+    with pytest.warns(UserWarning, match='linf_norm_clip = 0.7 is larger'):
+        config = _single(l2_norm_clip=0.07, linf_norm_clip=0.7)
+    with pytest.warns(UserWarning, match='delta = 0.0003 is at least'):
+        config.calibrate(target_epsilon=2.0, delta=3e-4, steps=5)
+    # Once per process and values: the calibrated copy and a second
+    # calibration say nothing more.
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        config.calibrate(target_epsilon=2.0, delta=3e-4, steps=5)
+        _single(l2_norm_clip=1.0, linf_norm_clip=1.0)  # Equal: no warning.
+        _single().calibrate(target_epsilon=2.0, delta=1 / (2 * N), steps=5)

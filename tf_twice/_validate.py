@@ -10,12 +10,14 @@ range), so its message names the allowed range too.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import warnings
 from typing import Any, Optional
 
 __all__ = ['integer', 'non_negative', 'positive', 'probability', 'rate',
-           'real']
+           'real', 'warn_if_delta_not_small']
 
 
 def _number(name: str, value: Any) -> float:
@@ -96,3 +98,25 @@ def integer(name: str, value: Any, low: int,
     if value < low or (high is not None and value > high):
         raise ValueError(f'{name} must be {allowed}; got {value}.')
     return value
+
+
+def warn_if_delta_not_small(delta: float, num_examples: int) -> None:
+    """Warns when delta >= 1 / n (once per process for the same values:
+    make_private reaches it through calibrate and the ledger).
+
+    An (epsilon, delta) guarantee with delta >= 1 / n allows releasing a
+    random example's record outright; the usual rule is delta well below
+    1 / n (Dwork & Roth, 2014, section 2.3).
+    """
+    if delta * num_examples >= 1:
+        _warn_delta(delta, num_examples)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_delta(delta: float, num_examples: int) -> None:
+    warnings.warn(
+        f'delta = {delta:g} is at least 1 / num_examples = 1 / '
+        f'{num_examples}: such a guarantee allows one record in the clear; '
+        f'choose delta well below 1 / num_examples (e.g. '
+        f'{10 ** math.floor(math.log10(0.1 / num_examples)):g}).',
+        UserWarning, stacklevel=2)

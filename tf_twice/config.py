@@ -31,7 +31,9 @@ guarantee.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import attr
@@ -130,6 +132,22 @@ class Block:
         default=None,
         converter=lambda v: None if v is None else _validate.integer(
             'dimension', v, 1))
+
+    def __attrs_post_init__(self):
+        if (self.linf_norm_clip is not None
+                and self.linf_norm_clip > self.l2_norm_clip):
+            _warn_linf_above_l2(self.linf_norm_clip, self.l2_norm_clip)
+
+
+@functools.lru_cache(maxsize=None)  # Once per pair: evolve() re-inits.
+def _warn_linf_above_l2(linf_norm_clip: float, l2_norm_clip: float) -> None:
+    # Sound, but most likely the two clips swapped.
+    warnings.warn(
+        f'linf_norm_clip = {linf_norm_clip:g} is larger than l2_norm_clip = '
+        f'{l2_norm_clip:g}, so it clips nothing (no coordinate of an '
+        'l2-clipped vector exceeds c2): were the two swapped? The '
+        'l-infinity clip is usually c2 / sqrt(d0), e.g. c2 / 10.',
+        UserWarning, stacklevel=2)
 
 
 def _blocks_tuple(blocks: Any) -> Tuple[Block, ...]:
@@ -334,6 +352,7 @@ class TwiceSamplingConfig:
         if self.non_private:
             raise ValueError('calibrate: a non_private config has no '
                              'privacy guarantee to calibrate.')
+        _validate.warn_if_delta_not_small(delta, self.num_examples)
         dims = self.dimensions
         z = accounting.calibrate_noise_multiplier(
             target_epsilon=target_epsilon, delta=delta, steps=steps,

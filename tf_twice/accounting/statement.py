@@ -323,6 +323,7 @@ def compute_twice_sampling_privacy_statement(
     n, q1, num_epochs, steps = _check_dataset(number_of_examples, batch_size,
                                               num_epochs)
     delta = _validate.probability('delta', delta)
+    _validate.warn_if_delta_not_small(delta, n)
     q2 = _validate.rate('coordinate_sampling_rate',
                         coordinate_sampling_rate)
     conversion = conversion_lib.as_conversion(conversion)

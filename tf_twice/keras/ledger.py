@@ -200,6 +200,10 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
                      max_steps=max_steps, state_path=state_path,
                      save_every_steps=save_every_steps, orders=orders,
                      log_dir=log_dir, verbose=verbose)
+        config = getattr(model, 'config', None)
+        if config is not None:
+            _validate.warn_if_delta_not_small(ledger.delta,
+                                              config.num_examples)
         # A custom loop never calls set_model: its reserve_steps and
         # record_steps check and count this model's steps too.
         ledger.set_model(model)
