@@ -376,7 +376,7 @@ def test_16_bit_rows_are_dropped_or_clipped_by_their_float32_norm(
                                     **kwargs)
     each = got.numpy().astype(np.float64).reshape(batch, width)
     assert np.all(each[1:3] == 0)
-    np.testing.assert_allclose(each[3], np.full(width, 0.35), rtol=1e-6)
+    np.testing.assert_allclose(each[3], np.full(width, 0.35), rtol=2e-6)
     clean = grads.copy()
     clean[1:3] = 0
     (want,) = agg.clipped_masked_sum([tf.constant(clean, tf.float16)],
@@ -652,7 +652,10 @@ def test_blocks_are_clipped_on_their_own():
     small = [np.full((1, 100), 0.5, np.float32)]
     sums = agg.clipped_masked_block_sums(
         [big, small], l2_norm_clips=[2.0, 1.0], linf_norm_clips=[None, 0.05])
-    np.testing.assert_allclose(sums[0][0].numpy(), [2.0, 0, 0, 0])
+    # Within 1e-6 below the clip: norms are rounded up by their error
+    # bound (kernels.squared_norms).
+    np.testing.assert_allclose(sums[0][0].numpy(), [2.0, 0, 0, 0],
+                               rtol=1e-6)
     np.testing.assert_allclose(sums[1][0].numpy(), np.full(100, 0.05),
                                rtol=1e-6)
 

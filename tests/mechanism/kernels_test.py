@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tf_twice.mechanism import kernels
 from tf_twice.mechanism import outer_products
+from tf_twice.mechanism import precision
 from tf_twice.mechanism import randomness
 
 
@@ -157,8 +158,9 @@ def test_contributions_stay_clipped_under_automatic_mixed_precision(
             @tf.function
             def contribution(g):
                 sq_norm = kernels.squared_norms([g])
-                scale = kernels.clip_scale(sq_norm, tf.math.is_finite(sq_norm),
-                                           1.0)
+                scale = kernels.clip_scale(
+                    sq_norm, kernels.representable([sq_norm], g.dtype), 1.0,
+                    g.dtype)
                 return kernels.sum_block([g], scale, tf.ones([1]), c_inf, q2,
                                          None, key, 0, jit_compile)[0]
 
@@ -170,3 +172,61 @@ def test_contributions_stay_clipped_under_automatic_mixed_precision(
     assert worst <= 1 + 1e-6
     if c_inf is not None:
         assert largest <= c_inf * (1 + 1e-6)
+
+
+def _clipped(grads, l2_norm_clip):
+    """Each row's clip factor, as the aggregation takes it."""
+    sq_norm = kernels.squared_norms(grads)
+    finite = kernels.representable([sq_norm], tf.float32)
+    return kernels.clip_scale(sq_norm, finite, l2_norm_clip, tf.float32)
+
+
+def _absorbing_row(m):
+    # One entry 1 and m - 1 entries whose squares are just under half a
+    # float32 unit of the running sum: summed one by one in float32 each
+    # square is rounded away, so the float32 norm is 1 while the exact
+    # one is sqrt(1 + (m - 1) 2**-24): rounded to nearest, the clip factor
+    # let this record past the clip by 7.5e-6 of it at m = 2**16.
+    row = np.full((1, m), np.sqrt(2.0**-24 * 0.999), np.float32)
+    row[0, 0] = 1.0
+    return row
+
+
+@pytest.mark.parametrize('factored', [False, True])
+@pytest.mark.parametrize('m', [4096, 2**16])
+def test_a_record_built_to_round_its_norm_down_stays_within_the_clip(
+        factored, m):
+    row = _absorbing_row(m)
+    c2 = 1e-3
+    if factored:
+        grads = [outer_products.OuterProducts(tf.constant(row),
+                                              tf.ones([1, 1]))]
+    else:
+        grads = [tf.constant(row)]
+    scale = tf.function(_clipped)(grads, c2).numpy().astype(np.float64)
+    # The contribution as sum_block forms it: scale * g in float32.
+    contribution = (row * scale[:, None].astype(np.float32)).astype(
+        np.float64)
+    norm = np.linalg.norm(contribution)
+    assert norm <= c2
+    # Rounded up by no more than the bound: float32 sums of at most 2**10
+    # numbers written out, of m (a factor's row) factored.
+    terms = m if factored else 2**10
+    assert norm >= c2 * (1 - precision.summation_error(terms + 16,
+                                                       tf.float32))
+
+
+def test_one_rows_norm_does_not_depend_on_the_others():
+    # A zero, huge or non-finite record sends its own row's norm through
+    # float64; every other row's factor stays bit for bit the same.
+    rng = np.random.default_rng(3)
+    left = rng.standard_normal((40, 300)).astype(np.float32)
+    right = rng.standard_normal((40, 10)).astype(np.float32)
+    clipped = tf.function(lambda a, b: _clipped(
+        [outer_products.OuterProducts(a, b)], 0.1))
+    want = clipped(left, right).numpy()
+    for odd in (0.0, 1e30, np.inf, np.nan):
+        changed = left.copy()
+        changed[7] = odd
+        got = clipped(changed, right).numpy()
+        np.testing.assert_array_equal(np.delete(got, 7), np.delete(want, 7))

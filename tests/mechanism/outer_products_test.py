@@ -184,7 +184,8 @@ def test_norms_are_the_float64_ones(scale, odd_row, float32_first):
     got = tf.function(lambda a, b: outer_products.squared_norms(
         outer_products.OuterProducts(a, b), float32_first))(left, right)
     want = ((left.astype(np.float64)**2).sum(1)
-            * (right.astype(np.float64)**2).sum(1)).astype(np.float32)
+            * (right.astype(np.float64)**2).sum(1))
+    assert got.dtype == tf.float64
     np.testing.assert_allclose(got.numpy(), want, rtol=2e-6)
 
 

@@ -124,8 +124,9 @@ def clipped_masked_block_sums(
       other block's (disjoint Philox streams, see the module docstring).
 
     Non-finite gradients: an example whose vector in ANY block has a
-    non-finite squared norm is dropped from every block (it contributes
-    exactly zero, inside every block's sensitivity set).
+    non-finite squared norm, or one above the dtype's largest number, is
+    dropped from every block (it contributes exactly zero, inside every
+    block's sensitivity set).
     """
     blocks = check_blocks(blocks)
     num_blocks = len(blocks)
@@ -155,12 +156,10 @@ def clipped_masked_block_sums(
     # A dense kernel's per-example gradients are read from their factors.
     blocks = [[outer_products.factor(g) for g in block] for block in blocks]
     sq_norms = [kernels.squared_norms(block) for block in blocks]
-    finite = tf.math.is_finite(sq_norms[0])
-    for sq_norm in sq_norms[1:]:
-        finite = tf.logical_and(finite, tf.math.is_finite(sq_norm))
+    finite = kernels.representable(sq_norms, dtype)
     sums = []
     for j, block in enumerate(blocks):
-        scale = kernels.clip_scale(sq_norms[j], finite, clips[j])
+        scale = kernels.clip_scale(sq_norms[j], finite, clips[j], dtype)
         block = kernels.drop_non_finite(block, finite)
         sums.append(kernels.sum_block(
             block, scale, weights, linf[j], coordinate_sampling_rate,

@@ -17,6 +17,7 @@ import math
 import re
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 # Public TensorFlow has no test for "inside an XLA-compiled function".
 from tensorflow.python.ops import control_flow_util
@@ -32,6 +33,7 @@ __all__ = [
     'check_weights',
     'clip_scale',
     'drop_non_finite',
+    'representable',
     'squared_norms',
     'sum_block',
 ]
@@ -67,37 +69,108 @@ def check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
         return tf.identity(weights)
 
 
+# Squares are summed in the gradients' dtype over at most this many numbers
+# at a time (`_inner_length`), those partial sums in float64: the bound on a
+# float32 sum's rounding grows with the numbers summed (gamma_1026 = 6e-5).
+_INNER_TERMS = 2**10
+# Roundings in `clip_scale` and `sum_block` after the bound (their float64
+# square root and division, the scale cast to the gradients' dtype, and at
+# most three products per coordinate: scale, weight, coefficient), with room
+# to spare.
+_ROUNDINGS_AFTER_NORMS = 8
+
+
+def _inner_length(d: int) -> int:
+    """Numbers per partial sum of a [B, d] tensor (a reshape to
+    [B, d / L, L], never a copy): its largest divisor <= `_INNER_TERMS`, or
+    d itself where that divisor is so small (a large prime d) that the
+    float64 pass over the partial sums would cost as much as the first."""
+    if d <= _INNER_TERMS:
+        return d
+    length = max(k for k in range(1, _INNER_TERMS + 1) if d % k == 0)
+    return length if length >= 64 else d
+
+
 def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
-    """Per-example squared l2 norm [B] over all tensors of one block."""
-    # One multi-threaded reduction pass over g, squared: tf.square and a sum
-    # would first write a second [B, d] copy, and einsum('bi,bi->b') runs as
-    # B one-by-one matrix products (measured on the reference CNN's
-    # gradients, [64, 79530] in 8 tensors: 1.4 ms CPU against 3.5 and 12.4).
-    # XLA has no kernel for the Euclidean norm; there the squares fuse with
-    # the sum instead (for callers that compile this step with XLA).
+    """Per-example squared l2 norms [B] over all tensors of one block, in
+    float64, each ROUNDED UP: at least the exact squared norm of the
+    example's numbers, whatever order the reductions add in.
+
+    Squares are summed in the gradients' dtype over `_inner_length`
+    numbers at a time (at most gamma_(L+2) low: the squares, the sum, a
+    square root squared back exactly in float64), the partial sums in
+    float64; squares that flush to 0 below the smallest normal number lose
+    at most that much each (a dense kernel's factors: a share of the norm,
+    `outer_products.flushed_share`). The sum is divided by 1 - (those
+    bounds) and raised by the flushed amount, so
+    that `clip_scale`'s factor bounds every contribution by the clip. An
+    earlier rounding to nearest let a record built for it (entries at half
+    a float32 unit of its largest) exceed the clip by 7.5e-6 of it.
+    """
+    # One multi-threaded reduction pass over g for each partial sum: a
+    # square and a sum would first write a second [B, d] copy, and
+    # einsum('bi,bi->b') runs as B one-by-one matrix products (measured on
+    # the reference CNN's gradients: 1.4 ms CPU against 3.5 and 12.4). XLA
+    # has no kernel for the Euclidean norm; there the squares fuse with the
+    # sum instead (for callers that compile this step with XLA).
     in_xla = _in_xla_context()
-    squares = []
+    dtype = grads[0].dtype
+    parts, inner, partials, numbers, flushed_share = [], 1, 0, 0, 0.0
     for g in grads:
         d = _num_elements(g.shape[1:])
         if isinstance(g, OuterProducts):
-            squares.append(outer_products.squared_norms(g, not in_xla))
+            m, n = int(g.left.shape[1]), int(g.right.shape[1])
+            parts.append(outer_products.squared_norms(g, not in_xla))
+            inner, partials = max(inner, m), partials + n + 2
+            flushed_share = max(flushed_share,
+                                outer_products.flushed_share(m))
         elif d > 0:
-            flat = tf.reshape(g, [-1, d])
-            squares.append(
-                tf.reduce_sum(tf.square(flat), axis=1) if in_xla else
-                tf.square(tf.math.reduce_euclidean_norm(flat, axis=1)))
-    if not squares:  # Only empty tensors: every example has norm 0.
-        return tf.zeros([tf.shape(grads[0])[0]], grads[0].dtype)
-    return tf.add_n(squares)
+            length = _inner_length(d)
+            x = tf.reshape(g, [-1, d // length, length])
+            partial = (tf.cast(tf.reduce_sum(tf.square(x), axis=2),
+                               tf.float64) if in_xla else
+                       tf.square(tf.cast(
+                           tf.math.reduce_euclidean_norm(x, axis=2),
+                           tf.float64)))
+            parts.append(tf.reduce_sum(partial, axis=1))
+            inner, partials = max(inner, length), partials + d // length
+            numbers += d
+    if not parts:  # Only empty tensors: every example has norm 0.
+        return tf.zeros([tf.shape(grads[0])[0]], tf.float64)
+    low = (precision.summation_error(inner + 2, dtype)
+           + precision.summation_error(partials + len(parts) + 4,
+                                       tf.float64) + flushed_share)
+    flushed = 2 * numbers * float(np.finfo(dtype.as_numpy_dtype).tiny)
+    return (tf.add_n(parts) + flushed) / (1 - low)
+
+
+def representable(sq_norms: Sequence[tf.Tensor], dtype: tf.DType
+                  ) -> tf.Tensor:
+    """[B]: whether every block's squared norm (`squared_norms`) is at
+    most ``dtype``'s largest number, so that no entry of the example's
+    gradient, scaled or not, overflows in ``dtype``. False for NaN and
+    inf; such an example is dropped from every block."""
+    largest = float(np.finfo(dtype.as_numpy_dtype).max)
+    keep = sq_norms[0] <= largest
+    for sq_norm in sq_norms[1:]:
+        keep = tf.logical_and(keep, sq_norm <= largest)
+    return keep
 
 
 def clip_scale(sq_norm: tf.Tensor, finite: tf.Tensor,
-                l2_norm_clip: float) -> tf.Tensor:
-    """Per-example l2 clip factors of one block: min(1, c2 / ||g_i||) where
-    ``finite``, 0 elsewhere."""
-    norm = tf.sqrt(tf.where(finite, sq_norm, tf.zeros_like(sq_norm)))
-    c2 = precision.clip_constant('l2_norm_clip', l2_norm_clip, sq_norm.dtype)
-    return tf.where(finite, c2 / tf.maximum(norm, c2), tf.zeros_like(norm))
+                l2_norm_clip: float, dtype: tf.DType) -> tf.Tensor:
+    """Per-example l2 clip factors of one block in ``dtype``:
+    min(1, c2 / ||g_i||) where ``finite``, 0 elsewhere, from the rounded-up
+    squared norms of `squared_norms` (float64), themselves raised by the
+    roundings still to come (`_ROUNDINGS_AFTER_NORMS`), and c2 rounded down
+    into ``dtype``."""
+    raise_by = 1 + precision.summation_error(_ROUNDINGS_AFTER_NORMS, dtype)
+    norm = tf.sqrt(tf.where(finite, sq_norm * raise_by,
+                            tf.zeros_like(sq_norm)))
+    c2 = tf.cast(precision.clip_constant('l2_norm_clip', l2_norm_clip,
+                                         dtype), tf.float64)
+    return tf.cast(tf.where(finite, c2 / tf.maximum(norm, c2),
+                            tf.zeros_like(norm)), dtype)
 
 
 def _per_row(v: tf.Tensor, x: tf.Tensor) -> tf.Tensor:

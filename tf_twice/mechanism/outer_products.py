@@ -109,45 +109,56 @@ def factor(g: tf.Tensor) -> PerExample:
     return OuterProducts(left, right)
 
 
-# ||left_i|| computed in float32 is used where every row's lies in this
+# ||left_i|| computed in float32 is used for the rows whose lies in this
 # range: no square or partial sum of squares overflows there, and the
 # squares that flush to 0 (each < 2**-126) add up to less than m 2**-46 of
-# the sum, below float32's rounding for m < 2**22. Elsewhere float64.
+# the sum (also in `kernels.squared_norms`' bound). Elsewhere float64.
 _FLOAT32_NORMS = (2.0**-40, 2.0**60)
+
+
+def flushed_share(m: int) -> float:
+    """At most this share of ||left_i||^2 is lost where ``squared_norms``
+    sums m squares in float32 (squares below the smallest normal number
+    flush to 0; the row's norm is at least `_FLOAT32_NORMS`' low end)."""
+    return m * 2.0**-126 / _FLOAT32_NORMS[0]**2
+
+
+# Longer rows are summed in float64: the bound on a float32 sum's rounding
+# grows with m (`kernels.squared_norms`).
+_FLOAT32_MAX_TERMS = 2**16
 
 
 def squared_norms(g: OuterProducts, float32_first: bool = True
                   ) -> tf.Tensor:
-    """||g_i||^2 = ||left_i||^2 ||right_i||^2, [B], in g's dtype.
+    """||g_i||^2 = ||left_i||^2 ||right_i||^2, [B], in float64.
 
-    In float64, where neither a factor's square nor the product can
-    overflow or underflow for float32 factors (at most m (3.4e38)^2
-    (3.4e38)^2 n, at least (1.4e-45)^4): a norm computed as 0 or finite is
-    then that of the float32 gradient, rounded, not an artefact of a
-    float32 square of one factor (a tiny right_i whose square underflows
-    against a huge left_i would give a norm of 0 to a gradient above the
-    clip). Returned as g's dtype, where it rounds or overflows to inf
-    exactly as the norm of the written-out gradient would.
+    In float64, neither a factor's square nor the product can overflow or
+    underflow for float32 factors (at most m (3.4e38)^2 (3.4e38)^2 n, at
+    least (1.4e-45)^4): a tiny right_i whose float32 square underflows
+    against a huge left_i cannot give a norm of 0 to a gradient above the
+    clip. `kernels.squared_norms` rounds the result up.
 
-    With ``float32_first`` (not under XLA, which has no Euclidean norm),
-    ||left_i|| (m numbers each) is first summed in float32, the rounding a
-    written-out gradient's norm has (`kernels.squared_norms`), and taken
-    where every row's is in `_FLOAT32_NORMS`; else (a zero, tiny, huge or
-    non-finite row: padding, or a bad record) in float64. Casting [B, m] to
-    float64 and squaring it took about 6 % of the ScatterNet linear
-    model's DP-SGD step (one CPU thread).
+    With ``float32_first`` (not under XLA, which has no Euclidean norm) and
+    m <= `_FLOAT32_MAX_TERMS`, ||left_i|| (m numbers) is first summed in
+    float32 and taken for each row whose is in `_FLOAT32_NORMS`; any other
+    row's (zero, tiny, huge or non-finite: padding, or a bad record) in
+    float64. Row by row, so that no row's norm depends on another's: chosen
+    for the chunk at once, one record moved every other row's norm by its
+    float32 rounding. Casting [B, m] to float64 and squaring it took about
+    6 % of the ScatterNet linear model's DP-SGD step (one CPU thread).
     """
     right = tf.reduce_sum(tf.square(tf.cast(g.right, tf.float64)), axis=1)
 
     def exact():
         return tf.reduce_sum(tf.square(tf.cast(g.left, tf.float64)), axis=1)
 
-    if float32_first:
+    if float32_first and g.left.shape[1] <= _FLOAT32_MAX_TERMS:
         norms = tf.math.reduce_euclidean_norm(g.left, axis=1)
         low, high = _FLOAT32_NORMS
-        left = tf.cond(
-            tf.reduce_all(tf.logical_and(norms >= low, norms <= high)),
-            lambda: tf.square(tf.cast(norms, tf.float64)), exact)
+        ok = tf.logical_and(norms >= low, norms <= high)
+        fast = tf.square(tf.cast(norms, tf.float64))  # Exact in float64.
+        left = tf.cond(tf.reduce_all(ok), lambda: fast,
+                       lambda: tf.where(ok, fast, exact()))
     else:
         left = exact()
-    return tf.cast(left * right, g.dtype)
+    return left * right

@@ -11,7 +11,10 @@ private side live here, one place for every module of the mechanism:
 * ``BATCH_SUM_DTYPE``: a logical batch's chunk sums are added, and its
   noise added to them, in float64;
 * ``constant_toward`` and ``clip_constant``: clips rounded down and noise
-  stds rounded up into the dtype they are applied in.
+  stds rounded up into the dtype they are applied in;
+* ``unit_roundoff`` and ``summation_error``: the bounds by which an
+  example's squared norm, summed in floating point, is rounded up before
+  its clip factor is taken (``kernels.squared_norms``).
 """
 
 from fractions import Fraction
@@ -25,6 +28,8 @@ __all__ = [
     'accumulation_dtype',
     'clip_constant',
     'constant_toward',
+    'summation_error',
+    'unit_roundoff',
 ]
 
 
@@ -131,3 +136,30 @@ def clip_constant(name: str, clip: float, dtype: Any) -> tf.Tensor:
             'are clipped in): a CPU flushes a smaller clip to 0. Give a '
             f'clip of at least {smallest:g}.')
     return constant
+
+
+def unit_roundoff(dtype: Any) -> float:
+    """u = 2**-p of a float dtype of p-bit significands: rounding to
+    nearest moves a normal value by at most u times itself."""
+    return float(np.finfo(tf.as_dtype(dtype).as_numpy_dtype).eps) / 2
+
+
+def summation_error(terms: int, dtype: Any) -> float:
+    """gamma_n = n u / (1 - n u) for n = ``terms`` roundings in ``dtype``.
+
+    A sum of n - 1 additions of non-negative numbers, each rounded, in any
+    order, is within gamma_(n-1) of the exact sum relative to it (Higham,
+    Accuracy and Stability of Numerical Algorithms, 2nd ed., 2002, Lemma
+    3.1 and eq. 4.4); a product of n factors (1 + delta_i), |delta_i| <= u,
+    is within gamma_n of 1. That order is the one thing a reduction kernel
+    does not promise, so only this bound holds for every kernel.
+
+    Raises:
+      ValueError: n u >= 1/2, where the bound is useless.
+    """
+    u = unit_roundoff(dtype)
+    if terms * u >= 0.5:
+        raise ValueError(
+            f'{terms} roundings in {tf.as_dtype(dtype).name} have no useful '
+            'error bound: compute in a wider dtype.')
+    return terms * u / (1 - terms * u)
