@@ -19,13 +19,15 @@ import logging
 import warnings
 from typing import Any, Mapping, Sequence
 
+import tensorflow as tf
+
 from tf_twice.keras import basis_refresh
 from tf_twice.keras import guards
 from tf_twice.keras import layer_state
 from tf_twice.keras import ledger as ledger_lib
 from tf_twice.keras import per_example
 
-__all__ = ['check_fit', 'with_attached_ledger']
+__all__ = ['check_batches_fit_model', 'check_fit', 'with_attached_ledger']
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
     Raises:
       ValueError: see the module docstring.
     """
+    check_batches_fit_model(model, x)
     # A hybrid DPModel rebuilt from an artifact has no basis yet; a
     # BasisRefresh may give it one before the first step (whose trace
     # refuses the step otherwise: PrivateAggregator.begin).
@@ -115,3 +118,48 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
     layer_state.check_no_input_dependent_state(
         model.inner_model, layer_state.input_spec_of(x),
         model.distribute_strategy)
+
+
+def _per_example_shape(spec: Any) -> Any:
+    return tuple(spec.shape[1:].as_list()) if spec.shape.rank else ()
+
+
+def check_batches_fit_model(model: Any, x: Any) -> None:
+    """Refuses, naming the argument, batches that the model or its loss
+    cannot take, before any trace (whose errors would show a made-up probe
+    batch or per-example shapes the caller never passed): string labels,
+    one-hot labels for a sparse loss, inputs of another per-example shape
+    than the built model's single input. Reads only the dataset's element
+    spec (or the arrays' shapes)."""
+    spec = x.element_spec if isinstance(x, tf.data.Dataset) else None
+    if not isinstance(spec, tuple) or len(spec) < 2:
+        return
+    x_spec, y_spec = spec[0], spec[1]
+    if isinstance(y_spec, tf.TensorSpec):
+        if y_spec.dtype == tf.string:
+            raise ValueError(
+                'fit\'s labels (y) are strings; the loss needs numbers. Map '
+                'them to integer class ids (e.g. with '
+                'tf.keras.layers.StringLookup, or a dict) before '
+                'poisson_batches.')
+        loss = getattr(model, '_example_loss', None)
+        shape = _per_example_shape(y_spec)
+        if getattr(loss, 'sparse', False) and shape and shape[-1] not in (
+                None, 1):
+            raise ValueError(
+                f'fit\'s labels (y) have per-example shape {shape}, like '
+                'one-hot vectors, but the loss is sparse categorical '
+                'cross-entropy, which takes one integer class id per '
+                'example: compile with CategoricalCrossentropy, or pass '
+                'y.argmax(-1).')
+    inner = model.inner_model
+    inputs = getattr(inner, 'inputs', None) if inner.built else None
+    if isinstance(x_spec, tf.TensorSpec) and inputs and len(inputs) == 1:
+        want = tuple(inputs[0].shape[1:])
+        got = _per_example_shape(x_spec)
+        if len(want) != len(got) or any(
+                w is not None and g is not None and w != g
+                for w, g in zip(want, got)):
+            raise ValueError(
+                f'fit\'s inputs (x) have per-example shape {got}, but '
+                f'{inner.name} takes {want}.')

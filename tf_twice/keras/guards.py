@@ -287,7 +287,8 @@ def check_poisson_input(dataset: Any, *,
             'Poisson sampling, so the accountant\'s epsilon is not a valid '
             'bound for them. Build the input with '
             'tf_twice.sampling.poisson_batches(...) and do not map, batch or '
-            'cache it afterwards.')
+            'cache it afterwards (its elements are (x, y, sample_weight) '
+            'triples; per-example preprocessing goes in its preprocess_fn).')
         if strict:
             raise ValueError(message)
         warnings.warn(message + ' Continuing (strict=False): THE REPORTED '

@@ -88,7 +88,7 @@ class ExampleLoss:
     """The per-example loss of a Keras loss (see `loss_fn`)."""
 
     def __init__(self, loss: Any) -> None:
-        self._sparse = (
+        self.sparse = (
             isinstance(loss, tf.keras.losses.SparseCategoricalCrossentropy)
             or loss is tf.keras.losses.sparse_categorical_crossentropy)
         # Entries labelled ignore_class (e.g. padding of a sequence) carry
@@ -110,7 +110,7 @@ class ExampleLoss:
                       y_pred: tf.Tensor) -> Optional[tf.Tensor]:
         """Whether each class index lies in [0, classes) (y_true's shape);
         None when y_true does not hold class indices."""
-        if not ((self._sparse and y_pred.shape[-1] is not None)
+        if not ((self.sparse and y_pred.shape[-1] is not None)
                 or _are_class_indices(y_true, y_pred)):
             return None
         labels = tf.cast(y_true, tf.int64)
