@@ -118,9 +118,15 @@ def test_state_round_trip_keeps_segments_of_every_event():
 
 
 def test_state_path_that_cannot_be_written_is_refused(tmp_path):
-    # A read-only directory: in ledger_test (it patches os.access).
+    # A read-only filesystem: in ledger_test.
     with pytest.raises(ValueError, match='state_path.*does not exist'):
         PrivacyBudget(EVENT, DELTA, state_path=str(tmp_path / 'no' / 'l'))
     with pytest.raises(ValueError, match='state_path.*is a directory'):
         PrivacyBudget(EVENT, DELTA, state_path=tmp_path)
     assert os.listdir(tmp_path) == []
+    # A path under a regular file.
+    (tmp_path / 'notes.txt').write_text('')
+    with pytest.raises(ValueError, match='notes.txt.* is a file, not a '
+                       'directory'):
+        PrivacyBudget(EVENT, DELTA,
+                      state_path=str(tmp_path / 'notes.txt' / 'l.json'))

@@ -1,5 +1,6 @@
 """Tests of the PrivacyLedger callback (tf_twice.keras.ledger)."""
 
+import errno
 import glob
 import json
 import os
@@ -15,6 +16,7 @@ from tests.keras.ledger_setup import DELTA, EVENT, OTHER_EVENT
 from tests.keras.ledger_setup import model as _model
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import budget as budget_lib
+from tf_twice.accounting import ledger_state
 from tf_twice.keras.ledger import PrivacyLedger
 
 def _target_between(k):
@@ -394,14 +396,21 @@ def test_state_path_that_cannot_be_written_is_refused_up_front(
     state = PrivacyLedger(EVENT, DELTA).get_state()
     with pytest.raises(ValueError, match='does not exist'):
         PrivacyLedger.from_state(state, event=EVENT, state_path=missing)
-    real_access = budget_lib.os.access
-    monkeypatch.setattr(
-        budget_lib.os, 'access',
-        lambda path, mode, **kw: (False if os.fspath(path) == str(tmp_path)
-                                  else real_access(path, mode, **kw)))
-    with pytest.raises(ValueError, match='not writable'):
+    # A read-only filesystem (root ignores permission bits, so it is
+    # emulated where the writability probe creates its file).
+    real_file = ledger_state.tempfile.NamedTemporaryFile
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, 'Read-only file system')
+
+    monkeypatch.setattr(ledger_state.tempfile, 'NamedTemporaryFile',
+                        read_only)
+    with pytest.raises(ValueError, match='state_path=.*not writable '
+                       '\\(Read-only file system\\)'):
         PrivacyLedger(EVENT, DELTA, state_path=str(tmp_path / 'l.json'))
     # Nothing was created on the way.
     assert os.listdir(tmp_path) == []
-    monkeypatch.setattr(budget_lib.os, 'access', real_access)
+    monkeypatch.setattr(ledger_state.tempfile, 'NamedTemporaryFile',
+                        real_file)
     PrivacyLedger(EVENT, DELTA, state_path=str(tmp_path / 'l.json'))
+    assert os.listdir(tmp_path) == []  # The probe left nothing.

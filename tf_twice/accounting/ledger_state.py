@@ -33,6 +33,7 @@ import collections
 import hashlib
 import json
 import os
+import tempfile
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import dp_accounting
@@ -190,13 +191,23 @@ def check_state_path(state_path: Any) -> str:
         raise ValueError(f'state_path={state_path!r} is a directory; give a '
                          'file path, e.g. beside the checkpoints.')
     directory = os.path.dirname(os.path.abspath(state_path))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f'state_path={state_path!r}: {directory!r} is a '
+                         'file, not a directory.')
     if not os.path.isdir(directory):
         raise ValueError(f'state_path={state_path!r}: its directory '
                          f'{directory!r} does not exist; create it first.')
-    # The atomic write creates a temporary file there and renames it.
-    if not os.access(directory, os.W_OK | os.X_OK):
+    # The atomic write creates a temporary file there and renames it: tried
+    # once (permission bits do not tell a read-only filesystem, nor what
+    # root may do).
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory,
+                                         prefix='.tf_twice_probe_'):
+            pass
+    except OSError as e:
         raise ValueError(f'state_path={state_path!r}: its directory '
-                         f'{directory!r} is not writable.')
+                         f'{directory!r} is not writable ({e.strerror}).'
+                         ) from e
     return state_path
 
 
