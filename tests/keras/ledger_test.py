@@ -3,6 +3,7 @@
 import errno
 import glob
 import json
+import logging
 import os
 
 import dp_accounting
@@ -136,11 +137,15 @@ def test_save_and_resume_keeps_privacy_spent(tmp_path):
     assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 10
 
 
-def test_resume_with_other_event_composes_both(tmp_path):
+def test_resume_with_other_event_composes_both(tmp_path, caplog):
     path = str(tmp_path / 'ledger.json')
     first = PrivacyLedger(EVENT, DELTA, state_path=path)
     first.record_steps(5)
-    second = PrivacyLedger(OTHER_EVENT, DELTA, state_path=path, verbose=0)
+    with caplog.at_level(logging.WARNING, logger='tf_twice.keras.ledger'):
+        PrivacyLedger(EVENT, DELTA, state_path=path)  # The same mechanism.
+        assert 'another mechanism' not in caplog.text
+        second = PrivacyLedger(OTHER_EVENT, DELTA, state_path=path)
+        assert 'ran another mechanism' in caplog.text  # Said, at verbose=1.
     assert second.epsilon == pytest.approx(_accountant_epsilon((EVENT, 5)))
     _model().fit(_data(steps=3), epochs=1, callbacks=[second], verbose=0)
     expected = _accountant_epsilon((EVENT, 5), (OTHER_EVENT, 3))

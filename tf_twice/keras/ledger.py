@@ -163,6 +163,16 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
             _LOGGER.warning('PrivacyLedger: resumed %d steps from %s '
                             '(epsilon %.4g at delta %g).', self.steps,
                             self.state_path, self.epsilon, self.delta)
+            segments = self._budget.get_state()['segments']
+            if segments and budget_lib.event_from_json(
+                    segments[-1]['event']) != event:
+                # Sound (composed), but rarely what a resume meant to do.
+                _LOGGER.warning(
+                    'PrivacyLedger: the steps resumed from %s ran another '
+                    'mechanism than this ledger\'s event (other noise, '
+                    'rates or clips); both are accounted, composed: '
+                    '%d segment(s) so far, this run\'s steps a new one.',
+                    self.state_path, len(segments))
 
     @classmethod
     def for_model(cls,
