@@ -22,3 +22,9 @@ needs_keras_3 = pytest.mark.skipif(
 needs_tf_privacy_optimizers = pytest.mark.skipif(
     KERAS_MAJOR != 2 or not HAS_TF_PRIVACY,
     reason='the DP optimizer classes need tensorflow-privacy and Keras 2')
+
+# Gradient accumulation in the DP optimizer classes: tensorflow-privacy's
+# (Keras 2) or Keras 3's own; tf-keras's non-legacy optimizers have none.
+needs_gradient_accumulation = pytest.mark.skipif(
+    KERAS_MAJOR == 2 and not HAS_TF_PRIVACY,
+    reason='gradient accumulation needs Keras 3 or tensorflow-privacy')

@@ -21,20 +21,22 @@ only the loss of one batched forward pass. Per-example gradients taken from
 it (tf_privacy's ``tape.jacobian``) are not isolated: in the backward pass
 0 * NaN = NaN, so one record with a NaN, inf or overflowing feature makes
 every other record's gradient non-finite, and one record could change the
-released sum by up to B * c2 instead of c2. ``minimize`` and
-``compute_gradients`` therefore refuse, naming the fix; ``DPModel`` computes
+released sum by up to B * c2 instead of c2. So an optimizer that no
+``DPModel`` compiled refuses to build (Keras 3: at the start of ``fit``,
+before any trace) and to take gradients (``minimize``,
+``apply_gradients``), naming the recipe that works; ``DPModel`` computes
 every example's gradient in its own forward and backward pass (and in O(B)
 rather than O(B^2)).
 
-Availability: these classes subclass tensorflow-privacy's, which subclass
-Keras 2 (legacy) optimizers. ``from tf_twice import optimizers`` works on
-every supported stack; the names are built at import where they can be
-(so that saved models find them) and otherwise raise, on first access, an
-``ImportError`` that names the fix where tensorflow-privacy is missing
-(``pip install "tf_twice[tf-privacy]"``, Python < 3.12) or Keras is Keras 3
-(TensorFlow 2.15, or ``tf-keras`` with ``TF_USE_LEGACY_KERAS=1``).
-``tf_twice.keras.DPModel(model, config)`` and ``tf_twice.keras.make_private``
-run the same mechanism without them.
+Availability: on every supported stack. With tensorflow-privacy on Keras 2
+(TensorFlow 2.15, the ``tf-privacy`` extra) the classes subclass its
+vectorized DP optimizers (Keras 2 legacy optimizers), and
+``make_twice_sampling_optimizer_class`` builds one for any legacy
+optimizer; elsewhere (Keras 3, or tf-keras without tensorflow-privacy) they
+subclass Keras's own ``SGD``, ``Adam`` and ``Adagrad`` (native). Both take
+the same arguments and run the same mechanism; ``gradient_accumulation_steps``
+> 1 needs the tensorflow-privacy classes or Keras 3. The names are built at
+import, so that saved models find them.
 
 Privacy: with Poisson sampling of examples at rate q1 (expected batch size
 n * q1) and one optimizer update per logical batch, each update is the
@@ -65,11 +67,11 @@ __all__ = [
     'make_twice_sampling_optimizer_class',
 ]
 
-# Every public name derives from tensorflow-privacy, which is optional and
-# works only with Keras 2: the names are built by the module ``__getattr__``
-# (at import by `_build_where_available`, where the stack allows), so that
-# ``from tf_twice import optimizers`` works on every supported stack and the
-# failure, where there is one, says what to do.
+# The classes are built by the module ``__getattr__`` (at import by
+# `_build_classes`): from tensorflow-privacy's, which is optional and works
+# only with Keras 2, where the stack allows, else from Keras's own.
+# ``make_twice_sampling_optimizer_class`` exists only with tensorflow-privacy
+# and elsewhere raises an ImportError that says what to do.
 _CLASS_BASES = {
     'TwiceSamplingDPKerasSGDOptimizer': 'SGD',
     'TwiceSamplingDPKerasAdamOptimizer': 'Adam',
@@ -77,7 +79,8 @@ _CLASS_BASES = {
 }
 
 _WITHOUT_TF_PRIVACY = (
-    'Without tensorflow-privacy and on Keras 3, train with '
+    'Without tensorflow-privacy and on Keras 3, the optimizer classes of '
+    'tf_twice.optimizers subclass Keras\'s own; or train with '
     'tf_twice.keras.DPModel(model, config) or tf_twice.keras.make_private('
     'model, config, x, y, delta=...): the same mechanism and accounting, no '
     'optimizer class needed.')
@@ -134,18 +137,20 @@ def _tf_privacy_vectorized():
 
 
 def __getattr__(name: str) -> Any:
-    """Builds the tf_privacy-derived names on first access (PEP 562)."""
+    """Builds the optimizer classes on first access (PEP 562): derived from
+    tensorflow-privacy where the stack allows, else native."""
     if name == 'make_twice_sampling_optimizer_class':
         problem = _tf_privacy_import_error(name)
         if problem is not None:
             raise ImportError(problem, name='tensorflow_privacy')
         value = _make_twice_sampling_optimizer_class
     elif name in _CLASS_BASES:
-        problem = _tf_privacy_import_error(name)
-        if problem is not None:
-            raise ImportError(problem, name='tensorflow_privacy')
-        value = _make_twice_sampling_optimizer_class(
-            getattr(tf.keras.optimizers.legacy, _CLASS_BASES[name]))
+        if _tf_privacy_import_error(name) is None:
+            value = _make_twice_sampling_optimizer_class(
+                getattr(tf.keras.optimizers.legacy, _CLASS_BASES[name]))
+        else:
+            value = _make_native_optimizer_class(
+                getattr(tf.keras.optimizers, _CLASS_BASES[name]))
     else:
         raise AttributeError(
             f'module {__name__!r} has no attribute {name!r}')
@@ -154,9 +159,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__():
-    # The lazy names are listed only where they can be built, so that
-    # dir()-driven introspection does not run into the ImportError.
-    names = set(globals())
+    # The tensorflow-privacy factory is listed only where it can be built,
+    # so that dir()-driven introspection does not run into its ImportError.
+    names = set(globals()) | set(_CLASS_BASES)
     if _tf_privacy_import_error('') is None:
         names.update(__all__)
     return sorted(names)
@@ -165,15 +170,161 @@ def __dir__():
 _ACC_SLOT = 'dp_clipped_sum'
 
 
-_BATCHED_LOSS_REFUSAL = (
-    '{name} cannot take per-example gradients from a loss that Keras '
-    'computed on the whole batch: they would not be isolated (in the '
-    'backward pass 0 * NaN = NaN, so one record with a NaN, inf or huge '
-    'feature would erase every other record\'s gradient, a change of up to '
-    'B * l2_norm_clip that the accountant does not cover). Wrap the model '
-    'and compile the wrapper with this optimizer: '
-    'model = tf_twice.keras.DPModel(model); '
-    'model.compile(optimizer={name}(config, ...), loss=...).')
+_PLAIN_MODEL_REFUSAL = (
+    '{name} trains only a tf_twice.keras.DPModel. Keras gives the optimizer '
+    'of a plain model the loss of one batched forward pass, whose '
+    'per-example gradients are not isolated (in the backward pass '
+    '0 * NaN = NaN, so one record with a NaN, inf or huge feature would '
+    'erase every other record\'s gradient, a change of up to '
+    'B * l2_norm_clip that the accountant does not cover). The recipe that '
+    'works: training = tf_twice.keras.make_private(model, config, x, y, '
+    'delta=..., target_epsilon=..., epochs=...); '
+    'training.model.compile(optimizer=tf.keras.optimizers.SGD(...), '
+    'loss=...); training.model.fit(training.data, epochs=training.epochs) '
+    '(Poisson-sampled data, its ledger attached). With this optimizer '
+    'instead of a config: private = tf_twice.keras.DPModel(model); '
+    'private.compile(optimizer={name}(config, ...), loss=...); '
+    'private.fit(tf_twice.sampling.poisson_batches(x, y, '
+    'expected_batch_size=config.expected_batch_size), '
+    'callbacks=[tf_twice.keras.PrivacyLedger.for_model(private, '
+    'delta=...)]).')
+
+
+class _Mechanism:
+    """What every tf_twice DP optimizer class adds to its Keras base: the
+    mechanism (a ``PrivateAggregator``) that a ``DPModel`` compiled with it
+    runs, and the refusal of every other use."""
+
+    def _init_mechanism(self, config: Any, seed: Optional[int],
+                        basis: Optional[basis_lib.HybridBasis],
+                        kwargs: dict) -> aggregator_lib.PrivateAggregator:
+        if 'num_microbatches' in kwargs:
+            raise ValueError(
+                'num_microbatches is not supported: microbatched clipping is '
+                'not covered by the twice-sampling analysis (DPModel\'s '
+                'physical_batch_size splits large batches without changing '
+                'the records).')
+        # A dict comes from get_config, as Keras's loaders rebuild the
+        # optimizer: a hybrid one then refuses to train until set_basis
+        # (no artifact holds the basis).
+        from_artifact = isinstance(config, dict)
+        if from_artifact:
+            config = config_lib.TwiceSamplingConfig.from_dict(config)
+        aggregator = aggregator_lib.PrivateAggregator(
+            config, basis, seed, awaiting_basis=from_artifact)
+        # Not tracked: neither the step keys nor the basis are saved with
+        # the optimizer; `bind_to_dp_model` sets the mark.
+        object.__setattr__(self, '_aggregator', aggregator)
+        object.__setattr__(self, '_bound_to_dp_model', False)
+        object.__setattr__(self, '_applying_private_update', False)
+        return aggregator
+
+    @property
+    def aggregator(self) -> aggregator_lib.PrivateAggregator:
+        """The mechanism a ``DPModel`` compiled with this optimizer runs."""
+        return self._aggregator
+
+    @property
+    def config(self) -> config_lib.TwiceSamplingConfig:
+        """The mechanism's config (with the basis's dimensions)."""
+        return self._aggregator.config
+
+    @property
+    def basis(self) -> Optional[basis_lib.HybridBasis]:
+        """The hybrid-clipping basis (None: one block)."""
+        return self._aggregator.basis
+
+    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
+        """Uses ``basis`` from the next step on, without retracing."""
+        self._aggregator.set_basis(basis)
+
+    def bind_to_dp_model(self) -> None:
+        """Called by ``DPModel.compile``: from now on this optimizer may be
+        built. Any other model's ``fit`` is refused when it builds it."""
+        object.__setattr__(self, '_bound_to_dp_model', True)
+
+    def _refuse_unless_bound(self) -> None:
+        if not self._bound_to_dp_model:
+            raise ValueError(_PLAIN_MODEL_REFUSAL.format(
+                name=type(self).__name__))
+
+    def _refuse_unless_private(self) -> None:
+        if not self._applying_private_update:
+            raise ValueError(
+                f'{type(self).__name__}.apply_gradients would apply '
+                'gradients that were not clipped, masked and noised. '
+                + _PLAIN_MODEL_REFUSAL.format(name=type(self).__name__))
+
+    def _mechanism_config(self, config: dict) -> dict:
+        """``get_config``'s: public parameters only, no seed, no random
+        state; the mechanism as ``config``."""
+        for name in ('l2_norm_clip', 'noise_multiplier',
+                     'num_microbatches', 'use_xla', 'seed'):
+            config.pop(name, None)
+        config['config'] = self._aggregator.config.to_dict()
+        return config
+
+
+def _make_native_optimizer_class(base: Type[Any]) -> Type[Any]:
+    """The twice-sampling DP optimizer on Keras's own ``base`` (Keras 3, or
+    tf-keras's non-legacy optimizers), for stacks without
+    tensorflow-privacy."""
+    class_name = f'TwiceSamplingDPKeras{base.__name__}Optimizer'
+
+    class NativeOptimizer(_Mechanism, base):  # pylint: disable=missing-docstring
+        __doc__ = f"""DP-SGD with twice sampling on top of Keras's
+        `{base.__name__}`; the arguments of the tensorflow-privacy-derived
+        class of the same name (TensorFlow 2.15). Compile a
+        ``tf_twice.keras.DPModel`` wrapper with it (module docstring)."""
+
+        def __init__(
+            self,
+            config: config_lib.TwiceSamplingConfig,
+            gradient_accumulation_steps: Optional[int] = 1,
+            seed: Optional[int] = None,
+            *args,  # pylint: disable=keyword-arg-before-vararg
+            basis: Optional[basis_lib.HybridBasis] = None,
+            **kwargs,
+        ) -> None:
+            steps = _validate.integer(
+                'gradient_accumulation_steps',
+                1 if gradient_accumulation_steps is None
+                else gradient_accumulation_steps, 1)
+            if steps > 1:
+                if not _keras.IS_KERAS_3:
+                    raise ValueError(
+                        'gradient_accumulation_steps > 1 needs Keras 3 or '
+                        'the tensorflow-privacy-derived classes (TensorFlow '
+                        f'2.15); got {steps} on Keras {_keras.KERAS_VERSION}.')
+                # Keras 3's: the mean of the last k released gradients.
+                kwargs['gradient_accumulation_steps'] = steps
+            self._init_mechanism(config, seed, basis, kwargs)
+            super().__init__(*args, **kwargs)
+
+        def build(self, variables):
+            self._refuse_unless_bound()
+            super().build(variables)
+
+        def apply_private_update(self, noised_grads, var_list):
+            """Applies the released (noised, normalised) update of one step;
+            called by ``DPModel.train_step``."""
+            object.__setattr__(self, '_applying_private_update', True)
+            try:
+                return super().apply_gradients(zip(noised_grads, var_list))
+            finally:
+                object.__setattr__(self, '_applying_private_update', False)
+
+        def apply_gradients(self, *args, **kwargs):
+            self._refuse_unless_private()
+            return super().apply_gradients(*args, **kwargs)
+
+        def get_config(self):
+            return self._mechanism_config(super().get_config())
+
+    NativeOptimizer.__name__ = class_name
+    NativeOptimizer.__qualname__ = class_name
+    return tf.keras.utils.register_keras_serializable(package='tf_twice')(
+        NativeOptimizer)
 
 
 def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
@@ -204,7 +355,7 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
         base = tfp_vectorized.make_vectorized_keras_optimizer_class(cls)
     class_name = f'TwiceSamplingDPKeras{cls.__name__}Optimizer'
 
-    class TwiceSamplingOptimizer(base):  # pylint: disable=missing-docstring
+    class TwiceSamplingOptimizer(_Mechanism, base):  # pylint: disable=missing-docstring
         __doc__ = f"""DP-SGD with twice sampling on top of `{cls.__name__}`.
 
         Each step releases, for its batch, the sum over examples of the
@@ -254,20 +405,7 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
                 (keyword only).
               **kwargs: passed on to ``{cls.__name__}`` (learning_rate...).
             """
-            if 'num_microbatches' in kwargs:
-                raise ValueError(
-                    'num_microbatches is not supported: microbatched '
-                    'clipping is not covered by the twice-sampling analysis '
-                    '(DPModel\'s physical_batch_size splits large batches '
-                    'without changing the records).')
-            # A dict comes from get_config, as Keras's loaders rebuild the
-            # optimizer: a hybrid one then refuses to train until set_basis
-            # (no artifact holds the basis).
-            from_artifact = isinstance(config, dict)
-            if from_artifact:
-                config = config_lib.TwiceSamplingConfig.from_dict(config)
-            aggregator = aggregator_lib.PrivateAggregator(
-                config, basis, seed, awaiting_basis=from_artifact)
+            aggregator = self._init_mechanism(config, seed, basis, kwargs)
             gradient_accumulation_steps = _validate.integer(
                 'gradient_accumulation_steps', gradient_accumulation_steps, 1)
             config = aggregator.config
@@ -278,30 +416,7 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
                           sum(z**-2 for z in config.noise_multipliers)**-0.5)
             super().__init__(base_clip, base_noise, None, True, *args,
                              **kwargs)
-            # Not trackable: neither the step keys nor the basis are saved
-            # with the optimizer.
-            self._aggregator = aggregator
             self.gradient_accumulation_steps = gradient_accumulation_steps
-
-        @property
-        def aggregator(self) -> aggregator_lib.PrivateAggregator:
-            """The mechanism a ``DPModel`` compiled with this optimizer
-            runs."""
-            return self._aggregator
-
-        @property
-        def config(self) -> config_lib.TwiceSamplingConfig:
-            """The mechanism's config (with the basis's dimensions)."""
-            return self._aggregator.config
-
-        @property
-        def basis(self) -> Optional[basis_lib.HybridBasis]:
-            """The hybrid-clipping basis (None: one block)."""
-            return self._aggregator.basis
-
-        def set_basis(self, basis: basis_lib.HybridBasis) -> None:
-            """Uses ``basis`` from the next step on, without retracing."""
-            self._aggregator.set_basis(basis)
 
         def _create_slots(self, var_list):
             super()._create_slots(var_list)
@@ -344,7 +459,7 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
 
         def _compute_gradients(self, loss, var_list, grad_loss=None,
                                tape=None):
-            raise ValueError(_BATCHED_LOSS_REFUSAL.format(name=class_name))
+            raise ValueError(_PLAIN_MODEL_REFUSAL.format(name=class_name))
 
         def apply_private_update(self, noised_grads, var_list):
             """Applies the released (noised, normalised) update of one step.
@@ -357,6 +472,7 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
             if self.gradient_accumulation_steps > 1:
                 noised_grads = self._accumulate(noised_grads, var_list)
             self._was_dp_gradients_called = True
+            # tf_privacy's apply_gradients, past this class's refusal.
             return super().apply_gradients(zip(noised_grads, var_list))
 
         def _accumulate(self, noised_grads, var_list):
@@ -378,21 +494,13 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
             return grads
 
         def get_gradients(self, loss, params):
-            raise ValueError(_BATCHED_LOSS_REFUSAL.format(name=class_name))
+            raise ValueError(_PLAIN_MODEL_REFUSAL.format(name=class_name))
 
         def apply_gradients(self, *args, **kwargs):
-            raise RuntimeError(
-                f'{class_name}.apply_gradients would apply gradients that '
-                'were not clipped, masked and noised. Compile a '
-                'tf_twice.keras.DPModel(model) with this optimizer.')
+            self._refuse_unless_private()  # apply_private_update skips it.
 
         def get_config(self):
-            """Public parameters only: no seed, no random state."""
-            config = super().get_config()
-            for name in ('l2_norm_clip', 'noise_multiplier',
-                         'num_microbatches', 'use_xla', 'seed'):
-                config.pop(name, None)
-            config['config'] = self._aggregator.config.to_dict()
+            config = self._mechanism_config(super().get_config())
             config['gradient_accumulation_steps'] = (
                 self.gradient_accumulation_steps)
             return config
@@ -403,16 +511,11 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
         TwiceSamplingOptimizer)
 
 
-def _build_where_available() -> None:
-    """Builds the optimizer classes at import where this stack can (Keras 2
-    with tensorflow-privacy). A model saved compiled with one finds its
-    class by its registered name ('tf_twice>...', Keras 2's SavedModel) or
-    in this module's namespace (a .keras file), and neither holds a class
-    not built yet: such a model did not load in a new process. Elsewhere
-    the names stay lazy and raise, when used, the error that names the
-    fix."""
-    if _tf_privacy_import_error('') is not None:
-        return
+def _build_classes() -> None:
+    """Builds the optimizer classes at import. A model saved compiled with
+    one finds its class by its registered name ('tf_twice>...') or in this
+    module's namespace (a .keras file), and neither holds a class not built
+    yet: such a model did not load in a new process."""
     try:
         for name in _CLASS_BASES:
             __getattr__(name)
@@ -420,4 +523,4 @@ def _build_where_available() -> None:
         pass  # A broken tensorflow-privacy: raised again when used.
 
 
-_build_where_available()
+_build_classes()

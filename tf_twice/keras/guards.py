@@ -58,8 +58,8 @@ __all__ = [
 # Why a DPModel cannot train or be accounted yet, and the fix.
 NO_MECHANISM = (
     'has no DP mechanism yet: give it a TwiceSamplingConfig, '
-    'DPModel(model, config), or (Keras 2 with tensorflow-privacy) compile it '
-    'with a tf_twice DP optimizer.')
+    'DPModel(model, config), or compile it with a tf_twice DP optimizer '
+    '(tf_twice.optimizers).')
 
 
 class NonPoissonInputWarning(UserWarning):
