@@ -230,3 +230,20 @@ def test_one_rows_norm_does_not_depend_on_the_others():
         changed[7] = odd
         got = clipped(changed, right).numpy()
         np.testing.assert_array_equal(np.delete(got, 7), np.delete(want, 7))
+
+
+@pytest.mark.parametrize('factored', [False, True])
+def test_norms_summed_in_float64_are_not_charged_float32_bounds(factored):
+    # A factor's row longer than 2**16, and a written-out tensor with no
+    # divisor in [64, 2**10] (1031 * 1033, both prime), are summed in
+    # float64: rounded up by float64's bound only, not by float32's
+    # gamma_m (which cost 3-17 % of the clip factor at these sizes).
+    rng = np.random.default_rng(1)
+    m = 2**17 if factored else 1031 * 1033
+    row = rng.standard_normal((2, m)).astype(np.float32)
+    grads = ([outer_products.OuterProducts(tf.constant(row), tf.ones([2, 1]))]
+             if factored else [tf.constant(row)])
+    got = tf.function(kernels.squared_norms)(grads).numpy()
+    exact = (row.astype(np.float64)**2).sum(axis=1)
+    assert np.all(got >= exact)
+    np.testing.assert_allclose(got, exact, rtol=1e-9)

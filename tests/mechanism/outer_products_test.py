@@ -230,3 +230,20 @@ def test_written_out_gradients_are_never_computed():
 
     run.get_concrete_function()
     assert graph_outer[0].consumers() == []
+
+
+def test_subnormal_factors_are_read_as_zero_by_the_norm_and_the_sums():
+    # A CPU flushes them; XLA on a GPU keeps them. Flushed where the
+    # factors are taken, the clip factor and the sums see the same numbers
+    # on every device: here the row contributes exactly 0.
+    left = np.full((1, M), 3e38, np.float32)
+    right = np.full((1, N), 1e-39, np.float32)  # Subnormal in float32.
+    factors = tf.function(
+        lambda a, b: tuple(outer_products.factor(tf.matmul(
+            a[:, :, None], b[:, None, :]))))(left, right)
+    np.testing.assert_array_equal(factors[1].numpy(), 0)
+    np.testing.assert_array_equal(factors[0].numpy(), left)
+    nan = tf.function(lambda a, b: outer_products.factor(tf.matmul(
+        a[:, :, None], b[:, None, :])).left)(
+            np.full((1, M), np.nan, np.float32), right)
+    assert np.isnan(nan.numpy()).all()  # NaN stays: its row is dropped.

@@ -83,12 +83,12 @@ _ROUNDINGS_AFTER_NORMS = 8
 def _inner_length(d: int) -> int:
     """Numbers per partial sum of a [B, d] tensor (a reshape to
     [B, d / L, L], never a copy): its largest divisor <= `_INNER_TERMS`, or
-    d itself where that divisor is so small (a large prime d) that the
-    float64 pass over the partial sums would cost as much as the first."""
+    1 where that divisor is so small (a large d with no divisor >= 64) that
+    the squares are better summed in float64 at once."""
     if d <= _INNER_TERMS:
         return d
     length = max(k for k in range(1, _INNER_TERMS + 1) if d % k == 0)
-    return length if length >= 64 else d
+    return length if length >= 64 else 1
 
 
 def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
@@ -98,7 +98,7 @@ def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
 
     Squares are summed in the gradients' dtype over `_inner_length`
     numbers at a time (at most gamma_(L+2) low: the squares, the sum, a
-    square root squared back exactly in float64), the partial sums in
+    square root squared back in float64), the partial sums in
     float64; squares that flush to 0 below the smallest normal number lose
     at most that much each (a dense kernel's factors: a share of the norm,
     `outer_products.flushed_share`). The sum is divided by 1 - (those
@@ -115,17 +115,27 @@ def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
     # sum instead (for callers that compile this step with XLA).
     in_xla = _in_xla_context()
     dtype = grads[0].dtype
-    parts, inner, partials, numbers, flushed_share = [], 1, 0, 0, 0.0
+    # inner: the longest float32 (the gradients' dtype) sum, 0 for none.
+    parts, inner, partials, numbers, flushed_share = [], 0, 0, 0, 0.0
     for g in grads:
         d = _num_elements(g.shape[1:])
         if isinstance(g, OuterProducts):
             m, n = int(g.left.shape[1]), int(g.right.shape[1])
             parts.append(outer_products.squared_norms(g, not in_xla))
-            inner, partials = max(inner, m), partials + n + 2
-            flushed_share = max(flushed_share,
-                                outer_products.flushed_share(m))
+            partials += n + 2
+            if outer_products.sums_left_in_float32(g, not in_xla):
+                inner = max(inner, m)
+                flushed_share = max(flushed_share,
+                                    outer_products.flushed_share(m))
+            else:
+                partials += m
         elif d > 0:
             length = _inner_length(d)
+            if length == 1:  # All in float64.
+                parts.append(tf.reduce_sum(tf.square(tf.cast(
+                    tf.reshape(g, [-1, d]), tf.float64)), axis=1))
+                partials += d
+                continue
             x = tf.reshape(g, [-1, d // length, length])
             partial = (tf.cast(tf.reduce_sum(tf.square(x), axis=2),
                                tf.float64) if in_xla else
@@ -137,8 +147,11 @@ def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
             numbers += d
     if not parts:  # Only empty tensors: every example has norm 0.
         return tf.zeros([tf.shape(grads[0])[0]], tf.float64)
-    low = (precision.summation_error(inner + 2, dtype)
-           + precision.summation_error(partials + len(parts) + 4,
+    # + 5: the float64 square of a float64 norm (exact for float32 ones),
+    # the sum over tensors' rounding beyond `partials`, the flushed amount's
+    # addition and the division below, and one to spare.
+    low = (precision.summation_error(inner + 2 if inner else 0, dtype)
+           + precision.summation_error(partials + len(parts) + 5,
                                        tf.float64) + flushed_share)
     flushed = 2 * numbers * float(np.finfo(dtype.as_numpy_dtype).tiny)
     return (tf.add_n(parts) + flushed) / (1 - low)

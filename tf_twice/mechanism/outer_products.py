@@ -29,6 +29,7 @@ types) stays a plain tensor on the general path.
 
 from typing import NamedTuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = ['OuterProducts', 'factor', 'squared_norms']
@@ -106,7 +107,17 @@ def factor(g: tf.Tensor) -> PerExample:
         rows = tf.maximum(tf.shape(x)[0], tf.shape(y)[0])
         left = tf.broadcast_to(left, tf.stack([rows, m]))
         right = tf.broadcast_to(right, tf.stack([rows, n]))
-    return OuterProducts(left, right)
+    return OuterProducts(_flush_subnormal(left), _flush_subnormal(right))
+
+
+def _flush_subnormal(t: tf.Tensor) -> tf.Tensor:
+    """``t`` with its subnormal entries set to 0, as a CPU reads them:
+    the norm (TensorFlow kernels) and the sums (XLA, which on a GPU keeps
+    subnormals) then see the same numbers; a subnormal factor read as 0 by
+    one and not the other would escape the clip (3e38 * 1e-39)."""
+    tiny = float(np.finfo(t.dtype.as_numpy_dtype).tiny)
+    # NaN compares false: it stays, and its row is dropped.
+    return tf.where(tf.abs(t) < tiny, tf.zeros_like(t), t)
 
 
 # ||left_i|| computed in float32 is used for the rows whose lies in this
@@ -128,13 +139,19 @@ def flushed_share(m: int) -> float:
 _FLOAT32_MAX_TERMS = 2**16
 
 
+def sums_left_in_float32(g: OuterProducts, float32_first: bool) -> bool:
+    """Whether `squared_norms` sums ||left_i||^2 in float32 first."""
+    return float32_first and g.left.shape[1] <= _FLOAT32_MAX_TERMS
+
+
 def squared_norms(g: OuterProducts, float32_first: bool = True
                   ) -> tf.Tensor:
     """||g_i||^2 = ||left_i||^2 ||right_i||^2, [B], in float64.
 
     In float64, neither a factor's square nor the product can overflow or
     underflow for float32 factors (at most m (3.4e38)^2 (3.4e38)^2 n, at
-    least (1.4e-45)^4): a tiny right_i whose float32 square underflows
+    least (1.2e-38)^4: `factor` flushes subnormal ones): a tiny right_i
+    whose float32 square underflows
     against a huge left_i cannot give a norm of 0 to a gradient above the
     clip. `kernels.squared_norms` rounds the result up.
 
@@ -152,7 +169,7 @@ def squared_norms(g: OuterProducts, float32_first: bool = True
     def exact():
         return tf.reduce_sum(tf.square(tf.cast(g.left, tf.float64)), axis=1)
 
-    if float32_first and g.left.shape[1] <= _FLOAT32_MAX_TERMS:
+    if sums_left_in_float32(g, float32_first):
         norms = tf.math.reduce_euclidean_norm(g.left, axis=1)
         low, high = _FLOAT32_NORMS
         ok = tf.logical_and(norms >= low, norms <= high)
