@@ -74,7 +74,11 @@ def accumulation_dtype(*dtypes: Any) -> tf.DType:
 # float32's is one chunk's own sum (at most a physical batch of rows). The
 # noise is added in float64 too: rounding the noisy sum to the variables'
 # dtype afterwards is post-processing, while rounding it before the noise
-# (as a float32 sum was) is not.
+# (as a float32 sum was) is not. Not yet covered: a chunk's own float32 sum
+# rounds with the other rows' magnitudes, so adding one example moved a
+# chunk's sum by up to 1.000065 times the clip in a case built for it (256
+# rows, each contribution at most 0.9999995 c2); summing chunks' rows in
+# float64 too would bring that below 1e-11.
 BATCH_SUM_DTYPE = tf.float64
 
 
