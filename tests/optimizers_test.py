@@ -406,3 +406,63 @@ def test_a_plain_model_compiled_with_it_is_refused_before_any_step():
 
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))
+
+
+@markers.needs_keras_3
+def test_a_seeded_run_resumed_mid_accumulation_draws_fresh_noise(tmp_path):
+    # Keras 3 counts an accumulating optimizer's iterations in updates:
+    # after one of two accumulated steps it reads 0, as at the start. The
+    # stream's position is the DP steps the weights hold, so a run restored
+    # from that point draws new masks and noise, not the released step's.
+    x, y = _data(batch=8, seed=4)
+
+    def build():
+        opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            _config(expected_batch_size=8, noise_multiplier=1.0,
+                    coordinate_sampling_rate=0.5),
+            gradient_accumulation_steps=2, seed=1234, learning_rate=0.1)
+        return _private(_mlp(), opt), opt
+
+    def released(opt):
+        return np.concatenate([a.numpy().ravel()
+                               for a in opt._accumulated_gradients])
+
+    first, opt = build()
+    tiny_models.one_step(first, x, y)
+    assert int(opt.iterations) == 0 and int(first.steps_taken) == 1
+    path = str(tmp_path / 'mid.weights.h5')
+    first.save_weights(path)
+    resumed, opt2 = build()
+    resumed.load_weights(path)
+    # The restored run's step is an update step: with the accumulator
+    # emptied, the weights move by lr * (its release) / 2.
+    for accumulator in opt2._accumulated_gradients:
+        accumulator.assign(tf.zeros_like(accumulator))
+    weights = lambda: np.concatenate(
+        [v.numpy().ravel() for v in resumed.inner_model.trainable_variables])
+    before = weights()
+    tiny_models.one_step(resumed, x, y)
+    release = 2 * (before - weights()) / 0.1
+    assert np.abs(release).max() > 0.1  # The step did run.
+    assert not np.allclose(release, released(opt), atol=1e-3)
+    # The same seed from the start does replay (one seed, one run).
+    fresh, opt3 = build()
+    tiny_models.one_step(fresh, x, y)
+    np.testing.assert_array_equal(released(opt3), released(opt))
+
+
+def test_keras_3s_apply_and_a_loss_scale_wrapper_do_not_bypass_it():
+    # Once a DPModel compiled it, the optimizer still applies nothing but
+    # that model's private updates.
+    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        _config(expected_batch_size=4), learning_rate=0.5)
+    _private(_mlp(), opt)
+    var = tf.Variable([1.0])
+    grads = [tf.constant([1.0])]
+    if hasattr(opt, 'apply'):
+        with pytest.raises(ValueError, match='not clipped'):
+            opt.apply(grads, [var])
+    wrapped = tf.keras.mixed_precision.LossScaleOptimizer(opt)
+    with pytest.raises(ValueError, match='not clipped'):
+        wrapped.apply_gradients(zip(grads, [var]))
+    assert var.numpy() == 1.0

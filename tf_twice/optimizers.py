@@ -318,6 +318,13 @@ def _make_native_optimizer_class(base: Type[Any]) -> Type[Any]:
             self._refuse_unless_private()
             return super().apply_gradients(*args, **kwargs)
 
+        if hasattr(base, 'apply'):
+            # Keras 3's one entry point: its apply_gradients, its
+            # LossScaleOptimizer and custom loops all call it.
+            def apply(self, *args, **kwargs):
+                self._refuse_unless_private()
+                return super().apply(*args, **kwargs)
+
         def get_config(self):
             return self._mechanism_config(super().get_config())
 

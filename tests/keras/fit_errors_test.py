@@ -56,3 +56,12 @@ def test_a_mapped_pipeline_is_refused_with_what_its_elements_are():
     with pytest.raises(ValueError, match='\\(x, y, sample_weight\\) triples'):
         model.fit(data.map(lambda x, y, w: (x * 2, y, w)), epochs=1,
                   callbacks=[ledger], verbose=0)
+
+
+def test_poisson_steps_without_any_ledger_are_warned_about():
+    # Sound steps, but nothing accounts them or stops them at a budget
+    # (e.g. a model reloaded from a file, whose attached ledger is gone).
+    model, _ = _model()
+    data = sampling.poisson_batches(X, Y, expected_batch_size=BATCH, seed=0)
+    with pytest.warns(UserWarning, match='nothing here accounts them'):
+        model.fit(data, epochs=1, steps_per_epoch=1, verbose=0)

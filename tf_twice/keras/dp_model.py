@@ -347,7 +347,7 @@ class DPModel(tf.keras.Model):
         exactly: anyone holding the file can recompute the noise of every
         later step and subtract it from released weights. Keep it apart
         from checkpoints and models, as secret as the training data.
-        The file records the optimizer's step count and a digest of the
+        The file records the DP steps the weights hold and a digest of the
         weights, so that it only loads into a model at that step with those
         weights.
         """
@@ -365,10 +365,8 @@ class DPModel(tf.keras.Model):
         self._require_aggregator().keys.load(
             path, step=self._step_count(), weights=self._weights_digest())
 
-    def _step_count(self) -> Optional[int]:
-        optimizer = getattr(self, 'optimizer', None)
-        return None if optimizer is None else int(
-            optimizer.iterations.numpy())
+    def _step_count(self) -> int:
+        return int(self.steps_taken.numpy())
 
     def _weights_digest(self) -> str:
         """SHA-256 of the wrapped model's weights and the DP steps they
@@ -656,7 +654,10 @@ class DPModel(tf.keras.Model):
         update = dp_step.private_update(
             aggregator, self.inner_model, self._example_loss, x, y, weights,
             size, variables, physical_batch_size=self.physical_batch_size,
-            step=self.optimizer.iterations, on_chunk=on_chunk)
+            # Every DP step counts, also those an optimizer accumulates
+            # (Keras 3's iterations count updates: a resumed seeded run
+            # would have drawn a released step's masks and noise again).
+            step=self.steps_taken, on_chunk=on_chunk)
         self._apply_update(update, variables)
         ledger_binding.count_step(self, update)
         # Computed on the private batch without noise: not private.

@@ -49,7 +49,9 @@ def with_attached_ledger(model: Any, callbacks: Any) -> Any:
         raise ValueError(
             f'{model.name} has a PrivacyLedger attached (by make_private or '
             'attach_ledger), and fit\'s callbacks hold another one: pass '
-            'the attached ledger (training.ledger), or none.')
+            'the attached ledger (training.ledger), or none; to go on under '
+            'another ledger (e.g. PrivacyLedger.from_state), attach it '
+            'first: model.attach_ledger(ledger).')
     if ledgers:
         return callbacks
     if attached.verbose:
@@ -91,9 +93,17 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
             num_examples=model.config.num_examples,
             strict=strict)
         guards.check_no_nonprivate_monitor(callbacks, nonprivate_prefix)
-    if not ledgers and not guards.is_poisson_input(
-            x, example_sampling_rate=model.config.example_sampling_rate,
-            num_examples=model.config.num_examples):
+    poisson = guards.is_poisson_input(
+        x, example_sampling_rate=model.config.example_sampling_rate,
+        num_examples=model.config.num_examples)
+    if not ledgers and poisson and not model.config.non_private:
+        warnings.warn(
+            'DPModel.fit without a PrivacyLedger: these DP steps run, but '
+            'nothing here accounts them or stops them at a budget. Pass '
+            'callbacks=[PrivacyLedger.for_model(model, delta=..., '
+            'target_epsilon=...)], or attach one (model.attach_ledger; '
+            'make_private does).', UserWarning, stacklevel=3)
+    if not ledgers and not poisson:
         # Nothing refuses these steps now, but no ledger attached later may
         # charge them as the config's Poisson steps: the weights keep them.
         model.aggregator.keys.mark_unverified()

@@ -351,6 +351,7 @@ def check_dp_optimizer(optimizer: Any, *, has_config: bool) -> None:
     Raises:
       ValueError: naming the fix.
     """
+    optimizer = _keras.without_loss_scaling(optimizer)
     name = type(optimizer).__name__
     if is_dp_optimizer(optimizer):
         if has_config:
@@ -426,7 +427,7 @@ def check_ledger_event(event: dp_accounting.DpEvent, model: Any) -> None:
                 f'{expected}. Build the ledger from the model: '
                 'PrivacyLedger.for_model(model, delta=...).')
         return
-    optimizer = getattr(model, 'optimizer', None)
+    optimizer = _keras.without_loss_scaling(getattr(model, 'optimizer', None))
     if getattr(optimizer, 'aggregator', None) is not None:
         raise ValueError(
             f'{type(model).__name__} is compiled with the DP optimizer '

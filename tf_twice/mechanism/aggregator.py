@@ -524,7 +524,7 @@ class PrivateAggregator(hybrid.BasisHolder):
         """Starts a logical batch: its key, shared by all replicas.
 
         ``variables`` and ``step`` (the model's trainable variables and
-        optimizer step count) position a seeded stream at its first draw.
+        DP steps the weights hold) position a seeded stream at its first draw.
         The variables are checked against the mechanism first
         (``check_variables``, when the step is traced).
         """
