@@ -466,3 +466,18 @@ def test_keras_3s_apply_and_a_loss_scale_wrapper_do_not_bypass_it():
     with pytest.raises(ValueError, match='not clipped'):
         wrapped.apply_gradients(zip(grads, [var]))
     assert var.numpy() == 1.0
+
+
+def test_the_mechanism_can_be_given_as_tf_privacys_keyword_arguments():
+    mechanism = dict(l2_norm_clip=1.5, noise_multiplier=1.1,
+                     num_examples=1000, expected_batch_size=50,
+                     coordinate_sampling_rate=0.5, linf_norm_clip=0.2)
+    opt = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+        learning_rate=0.1, **mechanism)
+    assert opt.config == TwiceSamplingConfig.single(**mechanism)
+    with pytest.raises(ValueError, match='not both'):
+        optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            _config(expected_batch_size=4), noise_multiplier=1.0)
+    with pytest.raises(ValueError, match='num_examples'):
+        optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.0)

@@ -190,6 +190,14 @@ _PLAIN_MODEL_REFUSAL = (
     'delta=...)]).')
 
 
+# TF Privacy's keyword arguments, and what twice sampling adds to them: an
+# optimizer given these instead of a config builds
+# ``TwiceSamplingConfig.single(**them)`` (one block).
+_MECHANISM_ARGUMENTS = ('l2_norm_clip', 'noise_multiplier', 'num_examples',
+                        'expected_batch_size', 'coordinate_sampling_rate',
+                        'linf_norm_clip')
+
+
 class _Mechanism:
     """What every tf_twice DP optimizer class adds to its Keras base: the
     mechanism (a ``PrivateAggregator``) that a ``DPModel`` compiled with it
@@ -204,6 +212,24 @@ class _Mechanism:
                 'not covered by the twice-sampling analysis (DPModel\'s '
                 'physical_batch_size splits large batches without changing '
                 'the records).')
+        mechanism = {name: kwargs.pop(name) for name in _MECHANISM_ARGUMENTS
+                     if name in kwargs}
+        if config is None:
+            # TF Privacy's style: the mechanism as keyword arguments.
+            missing = [name for name in ('num_examples', 'expected_batch_size')
+                       if name not in mechanism]
+            if missing:
+                raise ValueError(
+                    'give config (a tf_twice.TwiceSamplingConfig) or the '
+                    'mechanism as keyword arguments; missing: '
+                    f'{", ".join(missing)} (the accountant and the update\'s '
+                    'normalisation need them).')
+            config = config_lib.TwiceSamplingConfig.single(**mechanism)
+        elif mechanism:
+            raise ValueError(
+                'give the mechanism either as config or as keyword '
+                f'arguments ({", ".join(_MECHANISM_ARGUMENTS)}), not both; '
+                f'got config and {", ".join(mechanism)}.')
         # A dict comes from get_config, as Keras's loaders rebuild the
         # optimizer: a hybrid one then refuses to train until set_basis
         # (no artifact holds the basis).
@@ -279,7 +305,7 @@ def _make_native_optimizer_class(base: Type[Any]) -> Type[Any]:
 
         def __init__(
             self,
-            config: config_lib.TwiceSamplingConfig,
+            config: Optional[config_lib.TwiceSamplingConfig] = None,
             gradient_accumulation_steps: Optional[int] = 1,
             seed: Optional[int] = None,
             *args,  # pylint: disable=keyword-arg-before-vararg
@@ -386,7 +412,7 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
 
         def __init__(
             self,
-            config: config_lib.TwiceSamplingConfig,
+            config: Optional[config_lib.TwiceSamplingConfig] = None,
             gradient_accumulation_steps: int = 1,
             seed: Optional[int] = None,
             *args,  # pylint: disable=keyword-arg-before-vararg
@@ -397,7 +423,12 @@ def _make_twice_sampling_optimizer_class(cls: Type[Any]) -> Type[Any]:
 
             Args:
               config: the mechanism (``tf_twice.TwiceSamplingConfig``),
-                calibrated; with a basis, one Block per basis block.
+                calibrated; with a basis, one Block per basis block. Or
+                None and, as TF Privacy's optimizers take them, keyword
+                arguments: ``l2_norm_clip``, ``noise_multiplier``,
+                ``num_examples``, ``expected_batch_size`` and optionally
+                ``coordinate_sampling_rate`` and ``linf_norm_clip``
+                (``TwiceSamplingConfig.single``).
               gradient_accumulation_steps: k >= 1. As in tf_privacy, every
                 step releases its own noised gradient and the weights change
                 every k-th step, by the mean of the last k released
