@@ -319,3 +319,16 @@ def test_multi_block_statement_compares_total_noise_variance():
     one = compute_twice_sampling_privacy_statement(50000, 1000, 5, 2.4, 1e-5,
                                                    0.5, 1.0, 0.1)
     assert 'Hybrid-clipping blocks' not in one
+
+
+def test_plain_dp_sgd_is_named_so_without_twice_samplings_terms():
+    # q2 = 1 and no l-infinity clip: the step is DP-SGD's, and the
+    # statement says so (no "q2 = 1", no "d0 = 1").
+    text = statement.compute_twice_sampling_privacy_statement(
+        60000, 256, 3, 1.1, 1e-5, 1.0)
+    assert text.startswith('DP-SGD performed over 60000 examples')
+    assert 'q2 =' not in text.split('\n\n')[0] and 'd0' not in text
+    twice = statement.compute_twice_sampling_privacy_statement(
+        60000, 256, 3, 1.1, 1e-5, 0.5, 1.0, 0.1)
+    assert twice.startswith('Twice-sampled DP-SGD')
+    assert 'q2 = 0.5' in twice and 'd0 = 100' in twice

@@ -1,5 +1,6 @@
 """Tests of make_private: model, Poisson data and ledger from one config."""
 
+import logging
 import math
 
 import numpy as np
@@ -190,3 +191,13 @@ def test_another_ledger_than_the_attached_one_is_refused():
     assert int(model.optimizer.iterations) == 0
     with pytest.raises(ValueError, match='PrivacyLedger'):
         model.attach_ledger(object())
+
+
+def test_the_plans_normal_end_is_logged_as_information(caplog):
+    training = _wire(steps=2, verbose=1)
+    training.model.compile(optimizer=tf.keras.optimizers.SGD(0.1),
+                           loss=_loss())
+    with caplog.at_level(logging.INFO, logger='tf_twice.keras.ledger'):
+        training.model.fit(training.data, epochs=training.epochs, verbose=0)
+    ends = [r for r in caplog.records if 'planned 2 steps' in r.getMessage()]
+    assert ends and all(r.levelno == logging.INFO for r in ends)

@@ -342,16 +342,22 @@ def compute_twice_sampling_privacy_statement(
     d0 = tuple((c / ci) ** 2 for c, ci in zip(blocks.l2_norm_clips,
                                                 blocks.linf_norm_clips))
     one_block = blocks.size == 1
+    # At q2 = 1 with no l-infinity clip that binds the step is DP-SGD's.
+    linf_binds = any(d > 1 for d in d0)
+    name = ('Twice-sampled DP-SGD' if q2 < 1 or linf_binds or not one_block
+            else 'DP-SGD')
     paragraphs = [textwrap.fill(
-        f'Twice-sampled DP-SGD performed over {n} examples with '
+        f'{name} performed over {n} examples with '
         f'{batch_size:g} examples per iteration in expectation (Poisson '
-        f'sampling rate q1 = {q1:.6g}), coordinate sampling rate '
-        f'q2 = {q2:g}, noise multiplier '
-        f'{_format_blocks(noise_multiplier)}, l2 clip '
-        f'{_format_blocks(l2_norm_clip)} and l-infinity clip '
-        f'{_format_blocks(linf_norm_clip)} '
-        f'(d0 = {_format_blocks(d0[0] if one_block else d0)}) for '
-        f'{num_epochs:g} epochs ({steps} steps), every example clipped on '
+        f'sampling rate q1 = {q1:.6g}), '
+        + (f'coordinate sampling rate q2 = {q2:g}, ' if q2 < 1 else '')
+        + f'noise multiplier {_format_blocks(noise_multiplier)}, l2 clip '
+        f'{_format_blocks(l2_norm_clip)}'
+        + (f' and l-infinity clip {_format_blocks(linf_norm_clip)} '
+           f'(d0 = {_format_blocks(d0[0] if one_block else d0)})'
+           if linf_binds else '')
+        + f' for {num_epochs:g} epochs ({steps} steps), every example '
+        'clipped on '
         'its own (no microbatching)'
         + ('' if one_block else f', over {blocks.size} hybrid-clipping '
            f'blocks (effective noise multiplier {z_eff:.4g})')

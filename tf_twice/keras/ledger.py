@@ -604,8 +604,9 @@ class PrivacyLedger(tf.keras.callbacks.Callback):
         max_steps = budget.max_steps
         if max_steps is not None and budget.steps + k > max_steps:
             if self._verbose and not self._stopped_at_max_steps:
-                _LOGGER.warning('PrivacyLedger: stopping training after the '
-                                'planned %d steps (max_steps).', budget.steps)
+                # The plan's normal end: information, not a warning.
+                _LOGGER.info('PrivacyLedger: stopping training after the '
+                             'planned %d steps (max_steps).', budget.steps)
             self._stopped_at_max_steps = True
             return
         if not self._stopped_by_budget and self._verbose:
