@@ -317,17 +317,25 @@ def _one_step_and_its_random_state(tmp_path):
 
 def test_random_state_of_other_weights_at_the_same_step_count_is_refused(
         tmp_path):
-    # A recompile with a fresh optimizer restarts its step count while the
-    # weights keep their steps: the state saved after step 1 must not load
-    # into the model after step 3, whose optimizer is again at step 1 (its
-    # next step would reuse the noise of step 2, already in the weights).
+    # The state saved after step 1 must not load into weights that also
+    # hold one step but are others (its next keys would be those the
+    # saved run goes on with). A recompile with a fresh optimizer restarts
+    # the optimizer's count, not the DP steps the stream is placed by: the
+    # state of step 1 is refused after step 3 by its step.
     dp, secret, (x, y) = _one_step_and_its_random_state(tmp_path)
     dp.load_random_state(secret)  # The same weights: accepted.
+    saved = dp.inner_model.get_weights()
+    dp.inner_model.set_weights([w + 0.5 for w in saved])
+    assert int(dp.steps_taken) == 1
+    with pytest.raises(ValueError, match='with other weights'):
+        dp.load_random_state(secret)
+    dp.inner_model.set_weights(saved)
     tiny_models.one_step(dp, x, y)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=LOSS)
     tiny_models.one_step(dp, x, y)
     assert int(dp.optimizer.iterations) == 1 and int(dp.steps_taken) == 3
-    with pytest.raises(ValueError, match='with other weights'):
+    with pytest.raises(ValueError, match='saved at step 1, but this model '
+                       'is at step 3'):
         dp.load_random_state(secret)
 
 

@@ -154,8 +154,15 @@ def check_batches_fit_model(model: Any, x: Any) -> None:
                 'poisson_batches.')
         loss = getattr(model, '_example_loss', None)
         shape = _per_example_shape(y_spec)
-        if getattr(loss, 'sparse', False) and shape and shape[-1] not in (
-                None, 1):
+        # Sparse labels have one axis fewer than the model's output (a
+        # sequence's labels too); one-hot ones the output's shape.
+        outputs = (getattr(model.inner_model, 'outputs', None)
+                   if model.inner_model.built else None)
+        output_shape = (tuple(outputs[0].shape[1:])
+                        if outputs and len(outputs) == 1 else None)
+        if getattr(loss, 'sparse', False) and output_shape and (
+                len(shape) == len(output_shape) and shape
+                and shape[-1] == output_shape[-1] not in (None, 1)):
             raise ValueError(
                 f'fit\'s labels (y) have per-example shape {shape}, like '
                 'one-hot vectors, but the loss is sparse categorical '
