@@ -182,12 +182,14 @@ def run_study(configs: Dict[str, Dict[str, Any]], *, seeds: Sequence[int],
                 key = RunStore.key(row, epsilon, seed)
                 result = store.get(key)
                 if result is None:
-                    config = dict(common, seed=seed,
-                                  public_examples=public_examples,
-                                  target_epsilon=epsilon)
+                    config = dict(common)
                     if 'epochs' in overrides:  # A tuned schedule.
                         config.pop('steps', None)
                     config.update(overrides)
+                    # The study's axes, last: a tuned row's search fixed
+                    # its own epsilon (and seeds), which must not win.
+                    config.update(seed=seed, public_examples=public_examples,
+                                  target_epsilon=epsilon)
                     result = train_fn(config, data=data)
                     result.pop('statement', None)
                     store.put(key, result)

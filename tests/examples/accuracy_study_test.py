@@ -169,12 +169,14 @@ def test_tuned_rows_take_the_searchs_fixed_settings_and_best_point(tmp_path):
     path = tmp_path / 'tune_twice.json'
     path.write_text(json.dumps(dict(
         settings=dict(mode='twice', coordinate_sampling_rate=0.5,
-                    dataset='fashion_mnist', features='scattering',
-                    data_dir=None, validation_examples=5000),
+                    target_epsilon=3, dataset='fashion_mnist',
+                    features='scattering', data_dir=None,
+                    validation_examples=5000),
         runs={}, best=dict(learning_rate=8, epochs=60))))
     rows = study.tuned_rows([f'best twice={path}'])
     assert rows == {'best twice': dict(mode='twice',
                                        coordinate_sampling_rate=0.5,
+                                       target_epsilon=3,
                                        learning_rate=8, epochs=60)}
     calls = []
 
@@ -182,13 +184,16 @@ def test_tuned_rows_take_the_searchs_fixed_settings_and_best_point(tmp_path):
         calls.append(config)
         return dict(test_accuracy=0.9, epsilon=3.0, train_seconds=1.0)
 
-    study.run_study(rows, seeds=[0], target_epsilons=[3.0],
+    study.run_study(rows, seeds=[0, 1], target_epsilons=[1.0, 8.0],
                     common=dict(steps=280, learning_rate=16),
                     public_examples=0, data=object(), train_fn=fake_train,
                     log=lambda _: None)
     # The tuned schedule replaces the study's steps; its rate the common one.
     assert 'steps' not in calls[0] and calls[0]['epochs'] == 60
     assert calls[0]['learning_rate'] == 8
+    # The study's epsilons and seeds, not the search's epsilon 3.
+    assert [(c['target_epsilon'], c['seed']) for c in calls] == [
+        (1.0, 0), (1.0, 1), (8.0, 0), (8.0, 1)]
     unfinished = tmp_path / 'unfinished.json'
     unfinished.write_text(json.dumps(dict(settings={}, runs={}, best=None)))
     for bad, match in ((f'x{path}', 'NAME=FILE'),
