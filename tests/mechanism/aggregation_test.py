@@ -87,8 +87,10 @@ def test_fused_kernel_equals_unfused(q2, c_inf, dtype, batch):
     plain = agg.clipped_masked_sum(grads, jit_compile=False, **kwargs)
     for a, b in zip(fused, plain):
         assert a.dtype == dtype
+        # The same contributions; the float32 row sums add them in other
+        # orders (up to 64 rows of magnitude ~1: a few 1e-7 apart).
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6,
-                                   atol=1e-7)
+                                   atol=1e-6)
 
 
 def test_fused_kernel_follows_a_changed_clip_or_rate():
