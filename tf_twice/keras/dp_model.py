@@ -436,9 +436,10 @@ class DPModel(tf.keras.Model):
                 **kwargs):
         guards.check_dp_optimizer(optimizer,
                                   has_config=self._own_aggregator is not None)
-        if guards.is_dp_optimizer(_keras.without_loss_scaling(optimizer)):
+        unwrapped = _keras.without_loss_scaling(optimizer)
+        if guards.is_dp_optimizer(unwrapped):
             # It may now be built (it refuses any other model's fit).
-            _keras.without_loss_scaling(optimizer).bind_to_dp_model()
+            unwrapped.bind_to_dp_model()
         self._example_loss = per_example.loss_fn(loss)
         guards.check_no_xla(kwargs.get('jit_compile', False))
         kwargs['jit_compile'] = False

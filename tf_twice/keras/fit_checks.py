@@ -139,8 +139,8 @@ def check_batches_fit_model(model: Any, x: Any) -> None:
     cannot take, before any trace (whose errors would show a made-up probe
     batch or per-example shapes the caller never passed): string labels,
     one-hot labels for a sparse loss, inputs of another per-example shape
-    than the built model's single input. Reads only the dataset's element
-    spec (or the arrays' shapes)."""
+    than the built model's single input. Reads only a dataset's element
+    spec (other input is left to Keras)."""
     spec = x.element_spec if isinstance(x, tf.data.Dataset) else None
     if not isinstance(spec, tuple) or len(spec) < 2:
         return
@@ -160,9 +160,10 @@ def check_batches_fit_model(model: Any, x: Any) -> None:
                    if model.inner_model.built else None)
         output_shape = (tuple(outputs[0].shape[1:])
                         if outputs and len(outputs) == 1 else None)
-        if getattr(loss, 'sparse', False) and output_shape and (
-                len(shape) == len(output_shape) and shape
-                and shape[-1] == output_shape[-1] not in (None, 1)):
+        classes = output_shape[-1] if output_shape else None
+        if (getattr(loss, 'sparse', False) and classes not in (None, 1)
+                and len(shape) == len(output_shape)
+                and shape[-1] == classes):
             raise ValueError(
                 f'fit\'s labels (y) have per-example shape {shape}, like '
                 'one-hot vectors, but the loss is sparse categorical '
