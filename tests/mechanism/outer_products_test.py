@@ -247,3 +247,32 @@ def test_subnormal_factors_are_read_as_zero_by_the_norm_and_the_sums():
         a[:, :, None], b[:, None, :])).left)(
             np.full((1, M), np.nan, np.float32), right)
     assert np.isnan(nan.numpy()).all()  # NaN stays: its row is dropped.
+
+
+def _factored(left, right):
+    return tf.function(lambda a, b: tuple(outer_products.factor(tf.matmul(
+        a[:, :, None], b[:, None, :]))))(left, right)
+
+
+def test_subnormal_left_entries_are_flushed_only_where_a_norm_needs_it():
+    # Row 0: ordinary entries and one subnormal; its float32 norm lies in
+    # the range where its flushed share is counted, so left is kept as it
+    # is. Row 1 (all subnormal): its norm is 0, outside that range, and
+    # every row is flushed. Either way the contribution stays within c2.
+    row = np.full((M,), 1e-3, np.float32)
+    row[2] = 1e-39
+    right = np.full((2, N), 3e38, np.float32)
+    kept, _ = _factored(row[None], right[:1])
+    np.testing.assert_array_equal(kept.numpy(), row[None])
+    flushed, _ = _factored(np.stack([row, np.full((M,), 1e-39, np.float32)]),
+                           right)
+    np.testing.assert_array_equal(flushed[0].numpy()[2], 0)
+    np.testing.assert_array_equal(flushed[1].numpy(), 0)
+    np.testing.assert_array_equal(flushed[0].numpy()[[0, 1, 3]], row[0])
+    c2 = 0.1
+    for rows in (1, 2):
+        left = np.stack([row, np.full((M,), 1e-39, np.float32)])[:rows]
+        total = np.asarray(_aggregate(
+            left, right[:rows], np.zeros((rows, 1), np.float32),
+            written_out=False, l2_norm_clip=c2)[0], np.float64)
+        assert np.linalg.norm(total) <= c2 * (1 + 1e-6)

@@ -19,8 +19,6 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
-# Public TensorFlow has no test for "inside an XLA-compiled function".
-from tensorflow.python.ops import control_flow_util
 
 from tf_twice.mechanism import outer_products
 from tf_twice.mechanism import precision
@@ -43,15 +41,10 @@ def _num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(int(s) for s in shape))
 
 
-def _in_xla_context() -> bool:
-    return control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph())
-
-
 def check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     # A weight above 1 would scale an example's contribution past the clip
     # bound, so it is refused rather than silently accepted.
-    if _in_xla_context():
+    if precision.in_xla_context():
         raise ValueError(
             'weights cannot be checked inside a function compiled with XLA '
             '(jit_compile=True drops run-time assertions), and a weight '
@@ -113,7 +106,7 @@ def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
     # the reference CNN's gradients: 1.4 ms CPU against 3.5 and 12.4). XLA
     # has no kernel for the Euclidean norm; there the squares fuse with the
     # sum instead (for callers that compile this step with XLA).
-    in_xla = _in_xla_context()
+    in_xla = precision.in_xla_context()
     dtype = grads[0].dtype
     # inner: the longest float32 (the gradients' dtype) sum, 0 for none.
     parts, inner, partials, numbers, flushed_share = [], 0, 0, 0, 0.0
@@ -123,7 +116,7 @@ def squared_norms(grads: Sequence[PerExample]) -> tf.Tensor:
             m, n = int(g.left.shape[1]), int(g.right.shape[1])
             parts.append(outer_products.squared_norms(g, not in_xla))
             partials += n + 2
-            if outer_products.sums_left_in_float32(g, not in_xla):
+            if outer_products.sums_left_in_float32(m, not in_xla):
                 inner = max(inner, m)
                 flushed_share = max(flushed_share,
                                     outer_products.flushed_share(m))

@@ -14,7 +14,9 @@ private side live here, one place for every module of the mechanism:
   stds rounded up into the dtype they are applied in;
 * ``unit_roundoff`` and ``summation_error``: the bounds by which an
   example's squared norm, summed in floating point, is rounded up before
-  its clip factor is taken (``kernels.squared_norms``).
+  its clip factor is taken (``kernels.squared_norms``);
+* ``in_xla_context``: whether XLA compiles the graph being built (it has
+  no Euclidean-norm kernel, so norms are summed otherwise there).
 """
 
 from fractions import Fraction
@@ -22,12 +24,15 @@ from typing import Any, Union
 
 import numpy as np
 import tensorflow as tf
+# Public TensorFlow has no test for "inside an XLA-compiled function".
+from tensorflow.python.ops import control_flow_util
 
 __all__ = [
     'BATCH_SUM_DTYPE',
     'accumulation_dtype',
     'clip_constant',
     'constant_toward',
+    'in_xla_context',
     'summation_error',
     'unit_roundoff',
 ]
@@ -169,3 +174,9 @@ def summation_error(terms: int, dtype: Any) -> float:
             f'{terms} roundings in {tf.as_dtype(dtype).name} have no useful '
             'error bound: compute in a wider dtype.')
     return terms * u / (1 - terms * u)
+
+
+def in_xla_context() -> bool:
+    """Whether the graph being built is compiled by XLA."""
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
