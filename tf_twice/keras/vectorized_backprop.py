@@ -190,7 +190,7 @@ def _grouped_filter_gradients(pfor_input, inputs, grads, kernel_size):
         dilations=pfor_input.get_attr('dilations'),
         data_format='NHWC')
     kernel = tf.reshape(kernel, [kh, kw, channels, examples, filters])
-    return pfor_lib.wrap(tf.transpose(kernel, [3, 0, 1, 2, 4]), True)
+    return tf.transpose(kernel, [3, 0, 1, 2, 4])
 
 
 def _convert_conv2d_backprop_filter(pfor_input):
@@ -203,10 +203,32 @@ def _convert_conv2d_backprop_filter(pfor_input):
     out_shape = _static_ints(grads.shape.as_list()[2:4])
     if (not inputs_stacked or pfor_input.get_attr('data_format') != b'NHWC'
             or kernel_size is None or in_shape is None or out_shape is None
-            # A grouped conv: the kernel sees channels / groups inputs.
-            or inputs.shape[-1] != kernel_size[2]):
+            or inputs.shape[-1] is None):
         return _stock(pfor_input)
     kh, kw, channels, filters = (int(k) for k in kernel_size)
+    # A grouped conv: group k reads input channels [k c, (k + 1) c) and
+    # writes filters [k f, (k + 1) f). Each group's kernel gradient is an
+    # ungrouped conv's; TensorFlow's own conversion fails where the CPU
+    # kernel is Eigen's, which takes no groups (oneDNN's does).
+    groups = int(inputs.shape[-1]) // channels
+    if groups * channels != inputs.shape[-1] or filters % groups:
+        return _stock(pfor_input)
+    f = filters // groups
+    if groups == 1:
+        return pfor_lib.wrap(_filter_gradients(
+            pfor_input, inputs, grads, (kh, kw, channels, f), in_shape,
+            out_shape), True)
+    return pfor_lib.wrap(tf.concat([_filter_gradients(
+        pfor_input, inputs[..., k * channels:(k + 1) * channels],
+        grads[..., k * f:(k + 1) * f], (kh, kw, channels, f), in_shape,
+        out_shape) for k in range(groups)], axis=-1), True)
+
+
+def _filter_gradients(pfor_input, inputs, grads, kernel_size, in_shape,
+                      out_shape):
+    """[examples, kh, kw, channels, filters]: the kernel gradient of each
+    example of an ungrouped conv (the op's strides, padding, dilations)."""
+    kh, kw, channels, filters = kernel_size
     (out_h, out_w) = out_shape
     _, sh, sw, _ = pfor_input.get_attr('strides')
     _, dh, dw, _ = pfor_input.get_attr('dilations')
@@ -249,7 +271,7 @@ def _convert_conv2d_backprop_filter(pfor_input):
                                   dy, transpose_a=True))
     kernel = tf.reshape(tf.stack(taps, axis=1),
                         [examples, kh, kw, channels, filters])
-    return pfor_lib.wrap(tf.cast(kernel, grads.dtype), True)
+    return tf.cast(kernel, grads.dtype)
 
 
 def _column_filter_gradients(inputs, grads, in_shape, out_shape,
@@ -287,7 +309,7 @@ def _column_filter_gradients(inputs, grads, in_shape, out_shape,
                          [examples, positions, kh * kw * channels])
     kernel = tf.reshape(tf.matmul(columns, dy, transpose_a=True),
                         [examples, kh, kw, channels, filters])
-    return pfor_lib.wrap(tf.cast(kernel, grads.dtype), True)
+    return tf.cast(kernel, grads.dtype)
 
 
 def _float32_if_16_bit(x, dy):
