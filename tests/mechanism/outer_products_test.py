@@ -234,8 +234,10 @@ def test_written_out_gradients_are_never_computed():
 
 def test_subnormal_factors_are_read_as_zero_by_the_norm_and_the_sums():
     # A CPU flushes them; XLA on a GPU keeps them. Flushed where the
-    # factors are taken, the clip factor and the sums see the same numbers
-    # on every device: here the row contributes exactly 0.
+    # factors are taken (the right one always; the left one here, its
+    # row's norm 3e38 * sqrt(M) being out of the float32 range), the clip
+    # factor and the sums see the same numbers on every device: here the
+    # row contributes exactly 0.
     left = np.full((1, M), 3e38, np.float32)
     right = np.full((1, N), 1e-39, np.float32)  # Subnormal in float32.
     factors = tf.function(

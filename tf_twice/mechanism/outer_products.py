@@ -117,18 +117,24 @@ def _flush_subnormal(t: tf.Tensor) -> tf.Tensor:
     """``t`` with its subnormal entries set to 0, as a CPU reads them:
     the norm (TensorFlow kernels) and the sums (XLA, which on a GPU keeps
     subnormals) then see the same numbers; a subnormal factor read as 0 by
-    one and not the other would escape the clip (3e38 * 1e-39)."""
+    one and not the other would escape the clip (3e38 * 1e-39). The
+    right factor is always flushed, the left one where
+    `_flushed_unless_norms_cover` says."""
     tiny = float(np.finfo(t.dtype.as_numpy_dtype).tiny)
     # NaN compares false: it stays, and its row is dropped.
     return tf.where(tf.abs(t) < tiny, tf.zeros_like(t), t)
 
 
 def _flushed_unless_norms_cover(left: tf.Tensor) -> tf.Tensor:
-    """``left``, or `_flush_subnormal` of it unless every row's float32
-    norm lies in `_FLOAT32_NORMS`. There `squared_norms` sums every row
-    in float32 and `flushed_share` already counts each entry whose square
-    is below the smallest normal number (subnormal entries among them),
-    whether a reader keeps it or reads it as 0: those rows need no flush.
+    """``left`` as it is where `squared_norms` will sum it in float32 (not
+    under XLA, m <= `_FLOAT32_MAX_TERMS`) and every row's float32 norm
+    lies in `_FLOAT32_NORMS`; else `_flush_subnormal` of it (one row out
+    of that range, e.g. a zero padding row, flushes the chunk). In that
+    range `flushed_share` already counts each entry whose square is below
+    the smallest normal number (subnormal entries among them), whether a
+    reader keeps it or reads it as 0, so a sum that keeps one stays
+    within the clip (the product is rank 1: a kept entry only adds to
+    ||left_i||).
     The flush took 9 % of the ScatterNet linear model's DP-SGD step's CPU
     time (a select over [B, 3,969] floats), the norms 1 %."""
     if not sums_left_in_float32(left.shape[1],
@@ -139,7 +145,7 @@ def _flushed_unless_norms_cover(left: tf.Tensor) -> tf.Tensor:
                    lambda: _flush_subnormal(left))
 
 
-# ||left_i|| computed in float32 is used for the rows whose lies in this
+# ||left_i|| computed in float32 is used for the rows whose norm lies in this
 # range: no square or partial sum of squares overflows there, and the
 # squares that flush to 0 (each < 2**-126) add up to less than m 2**-46 of
 # the sum (also in `kernels.squared_norms`' bound). Elsewhere float64.
@@ -179,14 +185,14 @@ def squared_norms(g: OuterProducts, float32_first: bool = True
 
     In float64, neither a factor's square nor the product can overflow or
     underflow for float32 factors (at most m (3.4e38)^2 (3.4e38)^2 n, at
-    least (1.2e-38)^4: `factor` flushes subnormal ones): a tiny right_i
+    least (2^-149)^4): a tiny right_i
     whose float32 square underflows
     against a huge left_i cannot give a norm of 0 to a gradient above the
     clip. `kernels.squared_norms` rounds the result up.
 
     With ``float32_first`` (not under XLA, which has no Euclidean norm) and
     m <= `_FLOAT32_MAX_TERMS`, ||left_i|| (m numbers) is first summed in
-    float32 and taken for each row whose is in `_FLOAT32_NORMS`; any other
+    float32 and taken for each row whose norm is in `_FLOAT32_NORMS`; any other
     row's (zero, tiny, huge or non-finite: padding, or a bad record) in
     float64. Row by row, so that no row's norm depends on another's: chosen
     for the chunk at once, one record moved every other row's norm by its
