@@ -1,7 +1,7 @@
 """Packaging for tf_twice.
 
-The ranges below are the ones installed and tested (see README.md, "Supported
-versions"): Python 3.10 to 3.13, TensorFlow 2.15.1 to 2.21.x.
+The ranges below are the ones installed and tested (see docs/setup.md,
+"Supported versions"): Python 3.10 to 3.13, TensorFlow 2.15.1 to 2.21.x.
 
 * TensorFlow 2.15 is the last release whose Keras is Keras 2; from 2.16 on
   tf.keras is Keras 3, or Keras 2 with the tf-keras package and

@@ -18,11 +18,11 @@ metrics of ``fit`` are computed on the private batch without noise and carry
 the prefix ``nonprivate_`` so that nobody mistakes them for released values.
 What ``fit`` refuses before any step is in ``fit_checks``.
 
-README.md documents the rest once: the optimizer path (a DPModel without a
-config, compiled with a tf_twice DP optimizer), hybrid clipping (``basis=``,
-``set_basis``), the step keys that no model artifact holds and the seeded
-runs ("Secrets, checkpoints and seeds"), and the update that is the same
-for any number of replicas ("Several devices"). The basis is NOT part of
+docs/ documents the rest once: the optimizer path (a DPModel without a
+config, compiled with a tf_twice DP optimizer: keras.md), hybrid clipping
+(``basis=``, ``set_basis``: hybrid_clipping.md), the step keys that no
+model artifact holds and the seeded runs (checkpoints.md), and the update
+that is the same for any number of replicas (distributed.md). The basis is NOT part of
 checkpoints: a resumed run relearns or reloads it (a hybrid DPModel rebuilt
 from an artifact refuses to train until ``set_basis``). ``compile`` refuses
 ``jit_compile=True``: XLA drops the run-time check of per-example weights
@@ -682,8 +682,7 @@ class DPModel(tf.keras.Model):
     def get_config(self) -> Dict[str, Any]:
         """The wrapped model and the mechanism's public parameters.
 
-        Holds no seed and no random state (README.md, "Secrets,
-        checkpoints and seeds"). A model compiled with a DP optimizer keeps
+        Holds no seed and no random state (docs/checkpoints.md). A model compiled with a DP optimizer keeps
         its mechanism in the optimizer's config.
         """
         config = {
