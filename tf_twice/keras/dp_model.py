@@ -58,6 +58,7 @@ from tf_twice.keras.per_example import default_physical_batch_size
 from tf_twice.mechanism import aggregator as aggregator_lib
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
+from tf_twice.mechanism import step_keys
 
 __all__ = ['DPModel', 'default_physical_batch_size']
 
@@ -193,7 +194,7 @@ class DPModel(tf.keras.Model):
         # seed only from this state (weights loaded later, before or after
         # compile, start another stream). None for a model built later.
         object.__setattr__(self, '_initial_state_words', (
-            aggregator_lib.state_fingerprint(
+            step_keys.state_fingerprint(
                 model.trainable_variables, tf.constant(0, tf.int64))
             if model.built else None))
         # Every step-key stream a step of this model was traced or run
@@ -326,7 +327,7 @@ class DPModel(tf.keras.Model):
         aggregator.set_basis(basis)
 
     @property
-    def key_streams(self) -> List[aggregator_lib.StepKeys]:
+    def key_streams(self) -> List[step_keys.StepKeys]:
         """Every step-key stream this model's steps may have drawn from,
         each once: those a step was traced or run with (`train_step`
         records them), then the current one. Recorded when the step is

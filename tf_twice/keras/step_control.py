@@ -5,7 +5,7 @@ tells it *how many* ran, whether the weights hold steps it never saw, and
 how to keep a step from running:
 
 * `DrawnStepCounter` reads the model's step-key streams
-  (`tf_twice.mechanism.aggregator.StepKeys`): one key is drawn per logical
+  (`tf_twice.mechanism.step_keys.StepKeys`): one key is drawn per logical
   step and no restore or `fit` call rewinds the count, so the draws since
   the last reading are exactly the steps that ran, also those of a `fit`
   cut off by an exception or of a custom loop over `train_step`; each

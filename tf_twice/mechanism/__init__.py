@@ -9,7 +9,8 @@ argument checks of ``arguments`` and the dtype and rounding rules of
 ``HybridBasis`` (``basis``; its structure and tensor layouts in
 ``basis_layout``, its file format in ``basis_io``);
 ``aggregator.PrivateAggregator`` runs one logical batch for every training
-path, on one device or several, and owns the secret step keys.
+path, on one device or several, and owns the secret step keys
+(``step_keys``).
 """
 
 # First: refuses, naming the fix, a tf.keras that tf_twice cannot use.
@@ -23,7 +24,7 @@ from tf_twice.mechanism.aggregation import clipped_masked_sum
 from tf_twice.mechanism.aggregation import validate_params
 from tf_twice.mechanism.hybrid import BasisVariables
 from tf_twice.mechanism.aggregator import PrivateAggregator
-from tf_twice.mechanism.aggregator import StepKeys
+from tf_twice.mechanism.step_keys import StepKeys
 from tf_twice.mechanism.randomness import coordinate_masks
 from tf_twice.mechanism.randomness import draw_step_key
 from tf_twice.mechanism.randomness import standard_normal_noise
