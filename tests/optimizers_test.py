@@ -316,6 +316,11 @@ def _pretend(monkeypatch, keras_version, has_tf_privacy):
     where it asks), with nothing built."""
     for name in optimizers.__all__:
         monkeypatch.delitem(optimizers.__dict__, name, raising=False)
+    # Classes built for a pretended stack must not replace the real ones in
+    # Keras's registry, whose loaders would then rebuild a saved optimizer
+    # from the wrong base in every later test of the process.
+    monkeypatch.setattr(tf.keras.utils, 'register_keras_serializable',
+                        lambda **_: lambda cls: cls)
     monkeypatch.setattr(_keras, 'KERAS_VERSION', keras_version)
     monkeypatch.setattr(_keras, 'KERAS_MAJOR', int(keras_version[0]))
     monkeypatch.setattr(_keras, 'has_tf_privacy', lambda: has_tf_privacy)
