@@ -170,7 +170,9 @@ import tf_twice, tf_twice.keras, tf_twice.optimizers, tf_twice.compute_privacy
 import tf_twice.features
 from tf_twice.accounting import statement
 statement.compute_twice_sampling_privacy_statement(1000, 10, 1, 1.0, 1e-5, 0.5)
-print('NATIVE:', tf_twice.optimizers.TwiceSamplingDPKerasSGDOptimizer.__mro__[2])
+import tensorflow as tf
+print('NATIVE:', issubclass(tf_twice.optimizers.TwiceSamplingDPKerasSGDOptimizer,
+                            tf.keras.optimizers.SGD))
 try:
     tf_twice.optimizers.make_twice_sampling_optimizer_class
 except ImportError as e:
@@ -181,6 +183,6 @@ except ImportError as e:
     assert result.returncode == 0, result.stderr[-3000:]
     # The optimizer classes derive from Keras's own; the factory of
     # tensorflow-privacy-derived ones names the fix.
-    assert 'NATIVE:' in result.stdout and 'SGD' in result.stdout
+    assert 'NATIVE: True' in result.stdout
     assert 'CLEAR:' in result.stdout
     assert 'pip install "tf_twice[tf-privacy]"' in result.stdout
