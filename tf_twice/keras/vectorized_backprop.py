@@ -71,9 +71,11 @@ in one example cannot reach another's gradient.
 The converters are attached to the ops of one per-example pass
 (`faster_conversions`), not registered globally, so code outside tf_twice
 keeps TensorFlow's conversions. Where one does not apply (a conv input
-shared by all examples, NCHW, a grouped conv, a shape or kernel size known
-only at run time, explicit padding of a pool), it hands the op to
-TensorFlow's converter.
+shared by all examples, NCHW, a shape or kernel size known only at run
+time, explicit padding of a pool), it hands the op to TensorFlow's
+converter. A grouped conv's kernel gradient is taken group by group, each
+as an ungrouped conv's: TensorFlow's conversion of it fails where the CPU
+kernel is Eigen's.
 """
 
 from __future__ import annotations
