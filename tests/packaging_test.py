@@ -171,8 +171,9 @@ import tf_twice.features
 from tf_twice.accounting import statement
 statement.compute_twice_sampling_privacy_statement(1000, 10, 1, 1.0, 1e-5, 0.5)
 import tensorflow as tf
-print('NATIVE:', issubclass(tf_twice.optimizers.TwiceSamplingDPKerasSGDOptimizer,
-                            tf.keras.optimizers.SGD))
+print('NATIVE:', issubclass(
+    tf_twice.optimizers.TwiceSamplingDPKerasSGDOptimizer,
+    tf.keras.optimizers.SGD))
 try:
     tf_twice.optimizers.make_twice_sampling_optimizer_class
 except ImportError as e:

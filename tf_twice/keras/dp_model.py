@@ -22,12 +22,12 @@ docs/ documents the rest once: the optimizer path (a DPModel without a
 config, compiled with a tf_twice DP optimizer: keras.md), hybrid clipping
 (``basis=``, ``set_basis``: hybrid_clipping.md), the step keys that no
 model artifact holds and the seeded runs (checkpoints.md), and the update
-that is the same for any number of replicas (distributed.md). The basis is NOT part of
-checkpoints: a resumed run relearns or reloads it (a hybrid DPModel rebuilt
-from an artifact refuses to train until ``set_basis``). ``compile`` refuses
-``jit_compile=True``: XLA drops the run-time check of per-example weights
-and cannot compile the seeded step keys' hashing (the clip-mask-sum kernels
-use XLA on their own).
+that is the same for any number of replicas (distributed.md). The basis is
+NOT part of checkpoints: a resumed run relearns or reloads it (a hybrid
+DPModel rebuilt from an artifact refuses to train until ``set_basis``).
+``compile`` refuses ``jit_compile=True``: XLA drops the run-time check of
+per-example weights and cannot compile the seeded step keys' hashing (the
+clip-mask-sum kernels use XLA on their own).
 """
 
 import contextlib
@@ -683,8 +683,9 @@ class DPModel(tf.keras.Model):
     def get_config(self) -> Dict[str, Any]:
         """The wrapped model and the mechanism's public parameters.
 
-        Holds no seed and no random state (docs/checkpoints.md). A model compiled with a DP optimizer keeps
-        its mechanism in the optimizer's config.
+        Holds no seed and no random state (docs/checkpoints.md). A model
+        compiled with a DP optimizer keeps its mechanism in the optimizer's
+        config.
         """
         config = {
             'model': tf.keras.utils.serialize_keras_object(self.inner_model),

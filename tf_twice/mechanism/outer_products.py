@@ -141,7 +141,7 @@ def _flushed_unless_norms_cover(left: tf.Tensor) -> tf.Tensor:
                                 not precision.in_xla_context()):
         return _flush_subnormal(left)
     return tf.cond(tf.reduce_all(_in_float32_range(_float32_norms(left))),
-                   lambda: tf.identity(left),
+                   lambda: left,
                    lambda: _flush_subnormal(left))
 
 

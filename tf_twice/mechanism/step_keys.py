@@ -2,13 +2,13 @@
 
 Every mask and every noise draw of a step is derived from its key
 (``randomness``). Whoever knows the keys can recompute the noise and
-subtract it, so they are NEVER part of a model artifact: ``StepKeys`` is deliberately not trackable (no TF checkpoint,
-SavedModel, ``.keras``, ``.h5`` or ``get_config`` can reach it), a new
-process draws its keys from OS entropy, and a seeded stream follows its
-seed only from a fresh start (step 0, the weights it was wrapped with); a
-resumed or forked run takes OS entropy, never a replay.
-Bit-reproducible seeded runs save and load the stream explicitly in a
-separate, secret run-state file (``save``/``load``).
+subtract it, so they are NEVER part of a model artifact: ``StepKeys`` is
+deliberately not trackable (no TF checkpoint, SavedModel, ``.keras``,
+``.h5`` or ``get_config`` can reach it), a new process draws its keys from
+OS entropy, and a seeded stream follows its seed only from a fresh start
+(step 0, the weights it was wrapped with); a resumed or forked run takes
+OS entropy, never a replay. Bit-reproducible seeded runs save and load the
+stream explicitly in a separate, secret run-state file (``save``/``load``).
 """
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ class StepKeys:
       seed: None (default): keys from OS entropy, never reproducible. An
         integer: a reproducible stream for experiments. It is positioned at
         its first draw: from a fresh start (step count 0 and the weights the
-        model had when wrapped by ``DPModel``, ``record_start``) by a keyed hash of the
-        seed and the model's weights (``state_fingerprint``), so the same
-        seed on the same initial model gives the same run; from anything
-        else (a resumed or forked run, weights loaded or assigned after
-        wrapping) by OS entropy, so no two runs from one checkpoint share
-        noise.
+        model had when wrapped by ``DPModel``, ``record_start``) by a keyed
+        hash of the seed and the model's weights (``state_fingerprint``), so
+        the same seed on the same initial model gives the same run; from
+        anything else (a resumed or forked run, weights loaded or assigned
+        after wrapping) by OS entropy, so no two runs from one checkpoint
+        share noise.
         Only an explicitly loaded run state (``load``) continues a stream.
         A seed must be secret and used for one run only: the same seed on
         the same weights and other data gives the same noise.
@@ -111,10 +111,10 @@ class StepKeys:
             self._draws = tf.Variable(0, dtype=tf.int64, trainable=False,
                                       name='step_keys_draws')
         # Draws that some ledger accounts (charged, then bound to the
-        # weights; `PrivacyLedger`) or that are exempt (the trials of an audit, whose weights are restored): a
-        # ledger seeing this stream for the first time charges every draw
-        # after it, so steps that ran before any ledger saw the model are
-        # not lost.
+        # weights; `PrivacyLedger`) or that are exempt (the trials of an
+        # audit, whose weights are restored): a ledger seeing this stream
+        # for the first time charges every draw after it, so steps that ran
+        # before any ledger saw the model are not lost.
         self.accounted_draws = 0
         # Of those, draws whose steps the weights do not hold (an audit's
         # trials): a ledger need not cover them.
