@@ -390,7 +390,9 @@ def test_a_grouped_conv_is_converted_group_by_group(monkeypatch):
     # over examples and groups, which failed on an AMD EPYC ("filter_size
     # does not have enough elements, requested 144, got 72") and which
     # Eigen's kernel (TF_ENABLE_ONEDNN_OPTS=0) refuses. Ours never hands
-    # it over: each group's kernel gradient is an ungrouped conv's.
+    # it over: each group's kernel gradient is an ungrouped conv's. (A
+    # plain tf.nn.conv2d here: Keras's Conv2D(groups=2) runs its conv in
+    # an XLA-compiled function, whose ops still reach TensorFlow's.)
     shape = (6, 6, 4)
     conv = _GroupedConv()
     model = _model(conv, shape)

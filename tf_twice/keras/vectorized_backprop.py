@@ -75,7 +75,10 @@ shared by all examples, NCHW, a shape or kernel size known only at run
 time, explicit padding of a pool), it hands the op to TensorFlow's
 converter. A grouped conv's kernel gradient is taken group by group, each
 as an ungrouped conv's: TensorFlow's conversion of it fails where the CPU
-kernel is Eigen's.
+kernel is Eigen's. Not yet for Keras's ``Conv2D(groups > 1)``: Keras runs
+that conv inside a function it compiles with XLA, and the ops of a function
+call go to TensorFlow's converters, so such a layer still fails without
+oneDNN (``TF_ENABLE_ONEDNN_OPTS=0``).
 """
 
 from __future__ import annotations
