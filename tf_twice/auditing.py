@@ -310,13 +310,12 @@ def audit_one_step(model: tf.keras.Model,
     optimizer = model.optimizer
     if callable(getattr(optimizer, 'build', None)):
         optimizer.build(variables)
-    # A DPModel's count of the steps its weights hold is restored with them.
-    taken = getattr(model, 'steps_taken', None)
-    counters = [] if taken is None else [taken]
+    # A DPModel's record of the steps its weights hold is restored with
+    # them: a ledger then sees no trial step.
+    record = getattr(model, 'privacy_record', None)
+    counters = [] if record is None else [record]
     before = {id(v): v.numpy() for v in
               variables + _optimizer_variables(optimizer) + counters}
-    keys = getattr(getattr(model, 'aggregator', None), 'keys', None)
-    draws_before = None if keys is None else keys.draws
     tf.function(model.train_step)((x, y, tf.zeros([num_rows], tf.float32)))
     state = variables + _optimizer_variables(optimizer) + counters
     # A variable the warm-up created starts every trial from its value
@@ -381,11 +380,6 @@ def audit_one_step(model: tf.keras.Model,
     finally:
         for v, value in zip(state, initial):
             v.assign(value)
-        if keys is not None:
-            # The trials' steps are not charged: their weights are restored.
-            trials = keys.draws - draws_before
-            keys.accounted_draws += trials
-            keys.exempt_draws += trials
 
     without, with_ = scores
     threshold = select_threshold(without[:num_selection],

@@ -73,11 +73,12 @@ def _dp_model(seed=None, path='model', momentum=0.0):
 
 
 def _noise_of_next_step(dp):
-    """The next step's released noise: an empty logical batch's update."""
-    before = dp.get_weights()
+    """The next step's released noise: an empty logical batch's update
+    (of the wrapped model's weights; the record's digest is no noise)."""
+    before = dp.inner_model.get_weights()
     tiny_models.one_step(dp, *_EMPTY)
-    return np.concatenate([(a - b).ravel()
-                           for a, b in zip(dp.get_weights(), before)])
+    return np.concatenate([(a - b).ravel() for a, b in zip(
+        dp.inner_model.get_weights(), before)])
 
 
 def _key_words(dp):
@@ -533,18 +534,18 @@ def _restore(route, dp, tmp_path):
         step = tf.function(resumed.train_step)
 
         def by_train_step(model):
-            before = model.get_weights()
+            before = model.inner_model.get_weights()
             step(_EMPTY)
-            return np.concatenate([(a - b).ravel() for a, b in
-                                   zip(model.get_weights(), before)])
+            return np.concatenate([(a - b).ravel() for a, b in zip(
+                model.inner_model.get_weights(), before)])
         return resumed, by_train_step
     if route == 'keras_fit':
         def by_keras_fit(model):
-            before = model.get_weights()
+            before = model.inner_model.get_weights()
             tf.keras.Model.fit(model, tf.data.Dataset.from_tensors(_EMPTY),
                                verbose=0)
-            return np.concatenate([(a - b).ravel() for a, b in
-                                   zip(model.get_weights(), before)])
+            return np.concatenate([(a - b).ravel() for a, b in zip(
+                model.inner_model.get_weights(), before)])
         return resumed, by_keras_fit
     return resumed, by_fit
 

@@ -514,8 +514,8 @@ def test_invalid_arguments(build, name):
 
 def test_config_round_trip_and_weights():
     dp = DPModel(_mlp(), CONFIG, physical_batch_size=4, seed=SEED)
-    # + steps_taken and ledger_binding, its own weights.
-    assert len(dp.weights) == len(dp.inner_model.weights) + 2
+    # + privacy_record, its own weight.
+    assert len(dp.weights) == len(dp.inner_model.weights) + 1
     config = dp.get_config()
     assert config['config'] == CONFIG.to_dict()
     json.dumps({k: v for k, v in config.items() if k != 'model'})

@@ -139,8 +139,8 @@ def test_set_basis_takes_effect_without_retracing():
     tiny_models.one_step(ref, x, y)
     _assert_all_close(_weights(dp), _weights(ref))
     # The basis variables are neither weights nor in checkpoints.
-    # + steps_taken and ledger_binding, its own weights.
-    assert len(dp.weights) == len(dp.inner_model.weights) + 2
+    # + privacy_record, its own weight.
+    assert len(dp.weights) == len(dp.inner_model.weights) + 1
 
 
 def test_basis_refresh_callback_drives_set_basis_in_fit():

@@ -1,5 +1,6 @@
 """PrivacyLedger and tf_twice DP models: for_model, the checks at the start
-of fit, and steps counted from the step keys (tf_twice.keras.step_control)."""
+of fit, and steps charged from the weights' record
+(tf_twice.keras.privacy_record)."""
 
 import logging
 import os
@@ -247,8 +248,7 @@ def test_steps_after_a_layer_is_frozen_during_fit_are_charged(tmp_path):
                                      verbose=0)
     dp.fit(_data(steps=3), epochs=2, verbose=0,
            callbacks=[_FreezeFirstLayer(1), ledger])
-    assert dp.aggregator.keys.draws == int(dp.steps_taken) == 4
-    assert ledger.steps == 4
+    assert int(dp.steps_taken) == ledger.steps == 4
     assert PrivacyLedger(dp.dp_event(), DELTA, state_path=path).steps == 4
     # More steps are refused before any runs: the event no longer describes
     # the trainable variables.
@@ -257,21 +257,21 @@ def test_steps_after_a_layer_is_frozen_during_fit_are_charged(tmp_path):
     more.record_steps(4)
     with pytest.raises(ValueError, match='dimension=27.*12 coordinates'):
         dp.fit(_data(steps=2, seed=2), callbacks=[more], verbose=0)
-    assert dp.aggregator.keys.draws == 4
+    assert int(dp.steps_taken) == 4
 
 
 @markers.needs_tf_privacy_optimizers
 def test_steps_of_another_mechanism_stop_a_fit_the_ledger_watches():
     # Steps of an event not the ledger's cannot be charged by it: read
-    # outside a fit they are left to their own ledger (a warning), but in a
-    # fit's batch hook they stop the fit instead of letting it run past the
+    # outside a fit they are left uncharged (a warning), but in a fit's
+    # batch hook they stop the fit instead of letting it run past the
     # ledger's limits uncharged. (Keras cannot recompile during a fit, so
     # the hook is called as fit would call it.)
     dp = _dp_optimizer_model()
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, max_steps=5, verbose=0)
     dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
     _steps_under(dp, _config(noise_multiplier=0.5), steps=1)
-    with pytest.raises(ValueError, match='during a fit.*training stopped'):
+    with pytest.raises(ValueError, match='cannot account'):
         ledger.on_train_batch_end(0)
     assert dp.stop_training
     assert ledger.steps == 2
@@ -280,20 +280,18 @@ def test_steps_of_another_mechanism_stop_a_fit_the_ledger_watches():
 @markers.needs_tf_privacy_optimizers
 def test_steps_of_a_replaced_dp_optimizer_of_another_mechanism_are_not_its():
     # Fit under optimizer A's ledger, recompile with B (less noise), run B's
-    # steps outside any fit the ledger watches, recompile back to A: each
-    # step-key stream carries its optimizer's event, so B's steps are not
-    # charged as A's (they were: epsilon under-reported). The weights then
-    # hold steps this ledger did not charge, so it refuses more; a ledger
-    # of B's mechanism charges them.
+    # steps outside any fit the ledger watches, recompile back to A: the
+    # weights' record names B's steps, so they are not charged as A's (they
+    # were once: epsilon under-reported). A's ledger refuses more steps; a
+    # ledger continuing its history under B's event charges them.
     dp, ledger, optimizer_a = _a_then_steps_under(
         _config(noise_multiplier=0.3), fit_steps=2, steps=3)
     optimizer_b = dp.optimizer
     dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
     assert ledger.steps == 2
-    with pytest.raises(ValueError, match=r'3 step\(s\) of another '
-                       r'mechanism.*no ledger has charged them'):
+    with pytest.raises(ValueError, match='cannot account'):
         dp.fit(_data(steps=1, seed=3), callbacks=[ledger], verbose=0)
-    assert sum(keys.draws for keys in dp.key_streams) == 5
+    assert int(dp.steps_taken) == 5
     dp.compile(optimizer=optimizer_b, loss=tf.keras.losses.MeanSquaredError())
     # Going on under B: a ledger continuing A's history charges B's steps
     # under B's event and composes both.
@@ -332,12 +330,11 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
         other, route, read):
     # A ledger that charged more steps than ran (here recorded without a
     # step; a write-ahead reservation a crash left, or a resumed file, do
-    # the same) has room for B's steps in every count: the streams must
+    # the same) has room for B's steps in every count: the record must
     # still refuse it, in a fit and in a custom loop, however B was
-    # installed and replaced (B's stream was once dropped when no
+    # installed and replaced (B's steps were once missed when no
     # successful recompile replaced it), also after a ledger of B built
-    # just to read B's epsilon or its state (its reading once made B's
-    # steps its own, though it never bound the weights).
+    # just to read B's epsilon or its state.
     dp = _dp_optimizer_model()
     optimizer_a = dp.optimizer
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
@@ -355,7 +352,7 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
         assert (reader.epsilon > 0 if read == 'epsilon' else
                 reader.get_state()['steps'] == 2)
     _install_optimizer(dp, optimizer_a, route)
-    refusal = r'2 step\(s\) of another mechanism.*no ledger has charged'
+    refusal = r'hold 2 DP steps.*cannot account'
     with pytest.raises(ValueError, match=refusal):
         dp.fit(_data(steps=1, seed=3), callbacks=[ledger], verbose=0)
     with pytest.raises(ValueError, match=refusal):
@@ -402,7 +399,7 @@ def test_a_custom_loop_checks_the_weights_again_after_another_mechanism():
                                          event=dp.dp_event(), verbose=0)
     ledger_ab.bind_model(dp)
     dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
-    with pytest.raises(ValueError, match=r'run 5 DP steps.*charged only 2'):
+    with pytest.raises(ValueError, match='hold 5 DP steps.*cannot account'):
         ledger_a.reserve_steps(1)
     assert ledger_a.steps == 2
 
@@ -410,9 +407,9 @@ def test_a_custom_loop_checks_the_weights_again_after_another_mechanism():
 @markers.needs_tf_privacy_optimizers
 def test_steps_of_a_cached_train_function_of_another_mechanism_stop_the_fit():
     # An optimizer assigned without a recompile: Keras's cached train
-    # function still runs A's step, drawing A's keys, while the model
+    # function still runs A's step, which the record names, while the model
     # reports B's event. A ledger of B must not count those steps as none
-    # (it did: 20 steps of A ran, the ledger charged none of them).
+    # (it did once: 20 steps of A ran, the ledger charged none of them).
     dp = _dp_optimizer_model()
     ledger_a = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     dp.fit(_data(steps=3), callbacks=[ledger_a], verbose=0)
@@ -420,8 +417,7 @@ def test_steps_of_a_cached_train_function_of_another_mechanism_stop_the_fit():
         _config(noise_multiplier=0.5), learning_rate=0.1)
     ledger_b = PrivacyLedger.from_state(ledger_a.get_state(),
                                         event=dp.dp_event(), verbose=0)
-    with pytest.raises(ValueError, match=r'1 step\(s\) of .*another '
-                       r'mechanism.*training stopped'):
+    with pytest.raises(ValueError, match='cannot account'):
         dp.fit(_data(steps=5, seed=2), callbacks=[ledger_b], verbose=0)
     assert int(dp.steps_taken) == 4
     assert ledger_b.steps == 3
@@ -497,7 +493,7 @@ def test_reduced_precision_steps_are_charged(tmp_path, policy):
                                           save_every_steps=1, verbose=0)
         dp.fit(_data(steps=2, seed=4), callbacks=[resumed], verbose=0)
     ran = 3 + 2 + 2
-    assert dp.aggregator.keys.draws == ran
+    assert int(dp.steps_taken) == ran
     # The crash may leave one write-ahead step charged that never ran
     # (save_every_steps=1): never fewer than ran, at most one more.
     assert ran <= resumed.steps <= ran + 1
@@ -570,21 +566,15 @@ def test_logical_batches_refuse_a_model_on_several_replicas(monkeypatch):
     assert ledger.steps == 0
 
 
-def test_new_ledger_refuses_steps_another_ledger_charged_before_a_recompile():
-    # The recompile's fresh optimizer starts its step count at 0, so only
-    # the step keys show that the weights hold the first ledger's steps.
+def test_a_new_ledger_charges_steps_another_charged_before_a_recompile():
+    # The recompile's fresh optimizer starts its step count at 0; the
+    # weights' record still names the first ledger's 3 steps.
     dp = _dp_model()
     first = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     dp.fit(_data(steps=3), callbacks=[first], verbose=0)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.01),
                loss=tf.keras.losses.MeanSquaredError())
     second = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    with pytest.raises(ValueError, match=r'run 3 DP steps in this process, '
-                       r'but this PrivacyLedger has charged only 0.*'
-                       r'record_steps\(3\)'):
-        dp.fit(_data(steps=2, seed=2), callbacks=[second], verbose=0)
-    assert dp.aggregator.keys.draws == 3  # Refused before any step.
-    second.record_steps(3)
     dp.fit(_data(steps=2, seed=2), callbacks=[second], verbose=0)
     # The first ledger, still holding the model, counts the steps too.
     assert second.steps == first.steps == 5
@@ -660,15 +650,90 @@ def test_recompiling_back_to_an_earlier_dp_optimizer_is_not_refused():
     assert ledger.steps == 7
 
 
-def test_new_ledger_in_a_custom_loop_refuses_steps_another_ledger_charged():
+def test_a_new_ledger_in_a_custom_loop_charges_steps_another_charged():
     dp = _dp_model()
     first = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     dp.fit(_data(steps=3), callbacks=[first], verbose=0)
     second = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    second.set_model(dp)
-    with pytest.raises(ValueError, match='record_steps'):
-        for batch in _data(steps=2, seed=2):
-            second.reserve_steps(1)
-            dp.train_step(batch)
-            second.record_steps(1)
-    # Without the refusal second.steps would be 2; the weights hold 5.
+    for batch in _data(steps=2, seed=2):
+        second.reserve_steps(1)
+        dp.train_step(batch)
+        second.record_steps(1)
+    assert second.steps == 3 + 2  # The weights' 5.
+
+class _RollBack(tf.keras.callbacks.Callback):
+    """Undoes every other step (a "keep the step if a public check passes"
+    schedule), before the ledger's own hook runs when listed first."""
+
+    def __init__(self, path):
+        super().__init__()
+        self._path, self.ran = path, 0
+
+    def on_train_begin(self, logs=None):
+        self.model.save_weights(self._path)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ran += 1
+        if self.ran % 2:
+            self.model.load_weights(self._path)  # The step is undone.
+        else:
+            self.model.save_weights(self._path)
+
+
+@pytest.mark.parametrize('ledger_first', [False, True])
+def test_steps_undone_by_a_callback_are_charged(tmp_path, ledger_first):
+    # The released weights depend on every undone step (whether it was
+    # kept is a function of its noisy update): each one is charged, in any
+    # callback order (the record is read right after each execution).
+    dp = _dp_model()
+    dp(X[:1])
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    undo = _RollBack(str(tmp_path / 'kept.weights.h5'))
+    dp.fit(_data(steps=6), verbose=0,
+           callbacks=[ledger, undo] if ledger_first else [undo, ledger])
+    assert undo.ran == 6 and int(dp.steps_taken) == 3
+    assert ledger.steps == 6
+
+
+def test_a_step_whose_hooks_an_exception_cut_off_is_charged_on_restore(
+        tmp_path):
+    # The exception comes before the ledger's hook; the retried fit's
+    # BackupAndRestore rolls the weights back before the ledger reads them.
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    backup = str(tmp_path / 'backup')
+    with pytest.raises(OSError, match='disk full'):
+        dp.fit(_data(steps=4), epochs=2, verbose=0, callbacks=[
+            tf.keras.callbacks.BackupAndRestore(backup),
+            _FailingCallback(6), ledger])
+    assert int(dp.steps_taken) == ledger.steps == 6  # Before the failure.
+    dp.fit(_data(steps=4, seed=2), epochs=2, verbose=0, callbacks=[
+        tf.keras.callbacks.BackupAndRestore(backup), ledger])
+    # Epoch 2 again from the backup of step 4: 4 more steps on the branch.
+    assert int(dp.steps_taken) == 8 and ledger.steps == 6 + 4
+
+
+def test_a_reading_inside_a_custom_loop_does_not_charge_a_step_twice():
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    step = tf.function(dp.train_step)
+    for batch in ledger.logical_batches(_data(steps=3)):
+        step(batch)
+        assert ledger.epsilon > 0  # A progress display.
+    assert ledger.steps == int(dp.steps_taken) == 3
+
+
+def test_steps_a_fit_opted_in_on_unchecked_input_are_not_accepted_later():
+    # allow_non_poisson_input: the fit's ledger charges them (its epsilon
+    # does not hold, as the fit warns); the weights record them as on
+    # unchecked input, so no later ledger accepts them.
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    shuffled = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).take(2)
+    with pytest.warns(UserWarning, match='DOES NOT HOLD'):
+        dp.fit(shuffled, callbacks=[ledger], verbose=0,
+               allow_non_poisson_input=True)
+    assert ledger.steps == int(dp.steps_taken) == 2
+    later = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    with pytest.raises(ValueError, match='cannot account'):
+        dp.fit(_data(steps=1), callbacks=[later], verbose=0)

@@ -241,12 +241,15 @@ class PrivacyBudget:
         """Steps charged, including those loaded."""
         return self._steps
 
-    def history_digest(self, steps: Optional[int] = None) -> int:
-        """`ledger_state.history_digest` of the first `steps` steps charged
-        (all if None): which events they were, in order."""
+    def history(self) -> List[Tuple[str, int]]:
+        """The steps charged as (event_key, count) segments, in order."""
         with self._lock:
-            return ledger_state.history_digest(
-                [(key, count) for key, _, count in self._segments], steps)
+            return [(key, count) for key, _, count in self._segments]
+
+    @property
+    def event_key(self) -> str:
+        """`ledger_state.event_key` of `event`."""
+        return self._key
 
     @property
     def accountant(self) -> TwiceSamplingRdpAccountant:

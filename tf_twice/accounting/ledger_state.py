@@ -21,10 +21,10 @@ A file whose `history_digest` is not its segments' (an event or count edited
 by hand) is refused. Version 1 files (before the digest) are still read.
 
 The digest catches mistakes, not forgery: whoever edits a file can recompute
-it (or mark the file version 1, which has none). What binds a file to the weights it accounts is the step count and the
-digest of those steps that `tf_twice.keras.PrivacyLedger` keeps in a
-DPModel's weights (`tf_twice.keras.ledger_binding`): a checkpoint then only
-resumes with a file whose first steps are the ones it was trained with.
+it (or mark the file version 1, which has none). What ties a file to the
+weights it accounts is the record a DPModel's weights carry of the steps
+that ran on them (`tf_twice.accounting.step_record`): a ledger charges every
+step of it that the file's history lacks, or refuses the weights.
 """
 
 from __future__ import annotations

@@ -18,25 +18,16 @@ metrics of ``fit`` are computed on the private batch without noise and carry
 the prefix ``nonprivate_`` so that nobody mistakes them for released values.
 What ``fit`` refuses before any step is in ``fit_checks``.
 
-docs/ documents the rest once: the optimizer path (a DPModel without a
-config, compiled with a tf_twice DP optimizer: keras.md), hybrid clipping
-(``basis=``, ``set_basis``: hybrid_clipping.md), the step keys that no
-model artifact holds and the seeded runs (checkpoints.md), and the update
-that is the same for any number of replicas (distributed.md). The basis is
-NOT part of checkpoints: a resumed run relearns or reloads it (a hybrid
-DPModel rebuilt from an artifact refuses to train until ``set_basis``).
-``compile`` refuses ``jit_compile=True``: XLA drops the run-time check of
-per-example weights and cannot compile the seeded step keys' hashing (the
-clip-mask-sum kernels use XLA on their own).
+Saving and loading (no metric state, no step keys, the config) live in
+``model_artifacts``. docs/ documents the rest once: the optimizer path
+(keras.md), hybrid clipping (hybrid_clipping.md: the basis is in no
+checkpoint; a rebuilt hybrid DPModel trains after ``set_basis``), seeded
+runs (checkpoints.md) and replicas (distributed.md). ``compile`` refuses
+``jit_compile=True``: XLA drops the run-time check of per-example weights.
 """
 
-import contextlib
-import hashlib
-import importlib
-import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
-import numpy as np
 import tensorflow as tf
 # Keeps every gradient tape off the wrapped model's forward pass in `call`,
 # including what it leaves beside its outputs (tf.stop_gradient sees only
@@ -52,8 +43,10 @@ from tf_twice.keras import dp_step
 from tf_twice.keras import fit_checks
 from tf_twice.keras import guards
 from tf_twice.keras import ledger as ledger_lib
-from tf_twice.keras import ledger_binding
+from tf_twice.keras import model_artifacts
+from tf_twice.keras.model_artifacts import loss_mean
 from tf_twice.keras import per_example
+from tf_twice.keras import privacy_record
 from tf_twice.keras.per_example import default_physical_batch_size
 from tf_twice.mechanism import aggregator as aggregator_lib
 from tf_twice.mechanism import basis as basis_lib
@@ -62,37 +55,12 @@ from tf_twice.mechanism import step_keys
 
 __all__ = ['DPModel', 'default_physical_batch_size']
 
-_LOGGER = logging.getLogger(__name__)
 # Training logs computed on private batches without noise carry this prefix.
 NONPRIVATE_PREFIX = 'nonprivate_'
 
 
-@tf.keras.utils.register_keras_serializable(package='tf_twice',
-                                            name='LossMean')
-class Mean(tf.keras.metrics.Mean):
-    """Keras 2's mean, whose saved state loads as numpy values: Keras 2
-    assigns a weights file's h5 datasets as they are, which a metric's
-    variables under a tf.distribute strategy (summed over replicas on read,
-    so divided on assignment) cannot take. Named ``Mean`` because Keras 2
-    files name a metric's entry after its class (``metrics/mean``): files
-    written with Keras's own mean load into it, and its files into them.
-    Registered: a SavedModel names the class, and loading looks it up."""
-
-    def load_own_variables(self, store) -> None:
-        super().load_own_variables(
-            {key: np.asarray(store[key]) for key in store.keys()})
-
-
-def _loss_mean() -> tf.keras.metrics.Mean:
-    """The mean per-example loss of ``fit``'s logs (Keras 3 saves no
-    metric state)."""
-    if _keras.IS_KERAS_3:
-        return tf.keras.metrics.Mean(name='loss')
-    return Mean(name='loss')
-
-
 @tf.keras.utils.register_keras_serializable(package='tf_twice')
-class DPModel(tf.keras.Model):
+class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
     """Wraps a Keras model so that ``fit`` runs twice-sampling DP-SGD.
 
     Either give the mechanism here (a ``TwiceSamplingConfig``) and compile
@@ -167,10 +135,13 @@ class DPModel(tf.keras.Model):
         self.physical_batch_size = _validate.integer(
             'physical_batch_size', physical_batch_size, 1)
         self.inner_model = model
-        # Its own weights, saved and restored with the others: the DP steps
-        # the weights hold and the ledger history that accounts them.
-        self.steps_taken, self.ledger_binding = (
-            ledger_binding.add_variables(self))
+        # Its own weight, saved and restored with the others: the DP steps
+        # the weights hold and the mechanism each ran (`privacy_record`).
+        self.privacy_record = privacy_record.add_variable(self)
+        # `set_input_checked`'s flag, not saved.
+        with tf.init_scope():
+            object.__setattr__(self, '_input_checked', tf.Variable(
+                True, trainable=False, name='dp_input_checked'))
         # Built when the wrapped model is (so that saving and loading see
         # its weights).
         self.built = model.built
@@ -189,7 +160,7 @@ class DPModel(tf.keras.Model):
                 'give them to the optimizer.')
         # Not attributes Keras tracks: the tracker's state must not show up
         # in ``weights`` or the saved weights of the wrapped model.
-        object.__setattr__(self, '_example_loss_tracker', _loss_mean())
+        object.__setattr__(self, '_example_loss_tracker', loss_mean())
         # The wrapped model's state words now: a seeded stream follows its
         # seed only from this state (weights loaded later, before or after
         # compile, start another stream). None for a model built later.
@@ -197,68 +168,9 @@ class DPModel(tf.keras.Model):
             step_keys.state_fingerprint(
                 model.trainable_variables, tf.constant(0, tf.int64))
             if model.built else None))
-        # Every step-key stream a step of this model was traced or run
-        # with (`key_streams`): the ledger charges the steps they drew,
-        # also those of an optimizer replaced since, however it was.
-        object.__setattr__(self, '_stepped_streams', [])
         # `attach_ledger`'s: not saved, not tracked (a Keras callback).
         object.__setattr__(self, '_attached_ledger', None)
         self._example_loss = None
-
-    if not _keras.IS_KERAS_3:
-
-        @property
-        def _trackable_saved_model_saver(self):
-            # Keras 2's SavedModel loader revives a model that it cannot
-            # rebuild from its config (tf_twice not imported, a wrapped
-            # class Keras does not know) as a generic model whose fit
-            # trains without DP: make that load fail instead.
-            return _keras.restored_from_config_only(
-                super()._trackable_saved_model_saver)
-
-        # Keras 2 writes the state of every metric into .weights.h5, .keras
-        # and SavedModel files (Keras 3 into none): computed on private
-        # batches without noise (e.g. the exact sum of the sampled
-        # examples' losses), it must not be in a released artifact. Saving
-        # clears it however it is called (Keras cannot be kept from
-        # writing its entries): here for SavedModels, in save_own_variables
-        # for the other two. save and save_weights (and so ModelCheckpoint)
-        # then put the running values of fit's logs back.
-
-        def _trackable_children(self, save_type='checkpoint', **kwargs):
-            if save_type == 'savedmodel':
-                self._clear_metric_state()
-            return super()._trackable_children(save_type, **kwargs)
-
-        def save(self, *args, **kwargs):
-            with self._metric_state_kept():
-                return super().save(*args, **kwargs)
-
-        def save_weights(self, *args, **kwargs):
-            with self._metric_state_kept():
-                return super().save_weights(*args, **kwargs)
-
-    def _training_metrics(self) -> List[Any]:
-        """The metrics that steps update: the loss tracker, the compiled
-        metrics and those the wrapped model's layers add."""
-        metrics = self.metrics + list(self.inner_model.metrics)
-        return list({id(metric): metric for metric in metrics}.values())
-
-    def _clear_metric_state(self) -> None:
-        if not _keras.IS_KERAS_3:
-            for metric in self._training_metrics():
-                metric.reset_state()
-
-    @contextlib.contextmanager
-    def _metric_state_kept(self):
-        variables = [variable for metric in self._training_metrics()
-                     for variable in metric.variables]
-        values = [variable.numpy() for variable in variables]
-        try:
-            yield
-        finally:
-            for variable, value in zip(variables, values):
-                variable.assign(value)
 
     @property
     def aggregator(self) -> Optional[aggregator_lib.PrivateAggregator]:
@@ -327,69 +239,15 @@ class DPModel(tf.keras.Model):
         aggregator.set_basis(basis)
 
     @property
-    def key_streams(self) -> List[step_keys.StepKeys]:
-        """Every step-key stream this model's steps may have drawn from,
-        each once: those a step was traced or run with (`train_step`
-        records them), then the current one. Recorded when the step is
-        built, not at `compile`, so the streams of a DP optimizer replaced
-        without a recompile (an assigned ``optimizer``, a `compile` that
-        failed half-way) or still run by a train function Keras cached
-        are read too."""
-        aggregator = self.aggregator
-        current = [] if aggregator is None else [aggregator.keys]
-        earlier = [keys for keys in self._stepped_streams
-                   if all(keys is not c for c in current)]
-        return earlier + current
+    def steps_taken(self) -> tf.Tensor:
+        """The DP steps these weights hold (``privacy_record``'s count)."""
+        return self.privacy_record[0]
 
-    def save_random_state(self, path: str) -> None:
-        """Writes the SECRET state of the step keys to ``path``.
-
-        Only for bit-reproducible seeded experiments that must resume
-        exactly: anyone holding the file can recompute the noise of every
-        later step and subtract it from released weights. Keep it apart
-        from checkpoints and models, as secret as the training data.
-        The file records the DP steps the weights hold and a digest of the
-        weights, so that it only loads into a model at that step with those
-        weights.
-        """
-        self._require_aggregator().keys.save(
-            path, step=self._step_count(), weights=self._weights_digest())
-
-    def load_random_state(self, path: str) -> None:
-        """Continues the step keys from a ``save_random_state`` file.
-
-        Raises:
-          ValueError: the file was saved at another step count than the
-            model's, or with other weights, or records neither (a file of
-            an earlier version) (``StepKeys.load``).
-        """
-        self._require_aggregator().keys.load(
-            path, step=self._step_count(), weights=self._weights_digest())
-
-    def _step_count(self) -> int:
-        return int(self.steps_taken.numpy())
-
-    def _weights_digest(self) -> str:
-        """SHA-256 of the wrapped model's weights and the DP steps they
-        hold: a run state continues only the weights it was saved with.
-
-        Raises:
-          ValueError: the wrapped model is not built (its weights, e.g. a
-            deferred checkpoint restore, are not there to compare).
-        """
-        if not self.inner_model.built:
-            raise ValueError(
-                f'{self.inner_model.name} is not built, so its weights cannot '
-                'be matched with a random state file: call the model on a '
-                'batch of inputs first (a TF-format checkpoint is restored '
-                'then), and save or load the random state after that.')
-        digest = hashlib.sha256()
-        for value in self.inner_model.get_weights() + [
-                self.steps_taken.numpy()]:
-            value = np.ascontiguousarray(value)
-            digest.update(f'{value.dtype.str}{value.shape}'.encode())
-            digest.update(value.tobytes())
-        return digest.hexdigest()
+    def set_input_checked(self, checked: bool) -> None:
+        """Whether the next steps' input is known to be Poisson (``fit``
+        decides; custom loops vouch for theirs). Steps on unchecked input
+        are recorded so, and no ledger later charges them."""
+        self._input_checked.assign(bool(checked))
 
     def dp_event(self) -> TwiceSampledGaussianDpEvent:
         """The DpEvent of one ``train_step`` on Poisson batches: derived
@@ -418,20 +276,6 @@ class DPModel(tf.keras.Model):
             outputs = self.inner_model(inputs, training=False)
         _keras.stop_gradient_of_added_losses(self.inner_model)
         return tf.nest.map_structure(tf.stop_gradient, outputs)
-
-    def export(self, filepath, *args, **kwargs):
-        """As Keras's ``Model.export``. On Keras 3 an ``input_signature``
-        that is not given is that of the batches ``fit`` trained on, else
-        of the wrapped functional model's inputs: Keras records none for a
-        model that only ``fit`` runs (its steps call the wrapped model)."""
-        # Keras 3's export(filepath, format, verbose, input_signature):
-        # three positional arguments after filepath give it.
-        if (_keras.IS_KERAS_3 and len(args) < 3
-                and kwargs.get('input_signature') is None):
-            signature = _keras.export_input_signature(self, self.inner_model)
-            if signature is not None:
-                kwargs['input_signature'] = signature
-        return super().export(filepath, *args, **kwargs)
 
     def compile(self, optimizer='rmsprop', loss=None, metrics=None,
                 **kwargs):
@@ -468,22 +312,6 @@ class DPModel(tf.keras.Model):
         loaded (``compile`` creates the optimizer's variables, so that its
         saved state is restored with the weights)."""
         self.compile(**tf.keras.utils.deserialize_keras_object(config))
-
-    def save_own_variables(self, store) -> None:
-        self._clear_metric_state()  # Before Keras saves the metrics.
-        super().save_own_variables(store)
-        _keras.save_legacy_optimizer(getattr(self, 'optimizer', None), store)
-
-    def load_own_variables(self, store) -> None:
-        own, saved = _keras.split_legacy_optimizer(store)
-        if len(own):  # None in a file from before the binding: unbound.
-            super().load_own_variables(own)
-        optimizer = getattr(self, 'optimizer', None)
-        if optimizer is not None:
-            _keras.load_legacy_optimizer(optimizer, saved, self.inner_model)
-        elif saved:
-            _LOGGER.warning('DPModel: not compiled yet, so the file\'s '
-                            'optimizer state was not loaded.')
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto',
             callbacks=None, *args, allow_non_poisson_input: bool = False,
@@ -553,17 +381,14 @@ class DPModel(tf.keras.Model):
                                *args, **kwargs)
         finally:
             object.__setattr__(self, '_fit_element_spec', None)
+            self.set_input_checked(True)  # Custom loops vouch for theirs.
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        """Keras 3's build of metrics, loss and optimizer before training
-        under a distribution strategy, from the dataset's element spec.
-
-        Keras pulls the first batch and reduces it over the replicas only
-        to learn its shapes: that fails for a logical batch split into
-        shares of unequal size, and under MultiWorkerMirroredStrategy. The
-        spec gives the same shapes without reading data. (Keras 2 never
-        calls this.)
-        """
+        """Keras 3's build before training under a strategy, from the
+        dataset's element spec: Keras pulls the first batch and reduces it
+        over the replicas to learn its shapes, which fails for a logical
+        batch split into shares of unequal size and under
+        MultiWorkerMirroredStrategy. (Keras 2 never calls this.)"""
         spec = getattr(self, '_fit_element_spec', None)
         if iterator is not None and data_batch is None and spec is not None:
             iterator, data_batch = None, spec
@@ -571,12 +396,7 @@ class DPModel(tf.keras.Model):
                                              data_batch=data_batch)
 
     def train_on_batch(self, *args, **kwargs):
-        """Refused: no ledger sees these steps and no check sees their input.
-
-        Train with ``fit`` on ``tf_twice.sampling.poisson_batches`` and a
-        ``PrivacyLedger``; a custom loop calls ``train_step`` and charges
-        each step with ``PrivacyLedger.record_steps``.
-        """
+        """Refused: no ledger sees these steps, no check their input."""
         raise ValueError(
             'DPModel.train_on_batch is refused: its steps would be neither '
             'accounted by a PrivacyLedger nor checked for Poisson input. Use '
@@ -628,10 +448,6 @@ class DPModel(tf.keras.Model):
         if self._example_loss is None:
             raise ValueError('DPModel must be compiled before training.')
         aggregator = self._require_aggregator()
-        # In Python, so at every trace and eager call: the stream this
-        # step draws from, whatever replaces the optimizer later.
-        if all(aggregator.keys is not keys for keys in self._stepped_streams):
-            self._stepped_streams.append(aggregator.keys)
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
         if y is None:
             raise ValueError('DPModel.train_step needs targets y.')
@@ -659,9 +475,11 @@ class DPModel(tf.keras.Model):
             # Every DP step counts, also those an optimizer accumulates
             # (Keras 3's iterations count updates: a resumed seeded run
             # would have drawn a released step's masks and noise again).
-            step=self.steps_taken, on_chunk=on_chunk)
+            step=self.privacy_record[0], on_chunk=on_chunk)
         self._apply_update(update, variables)
-        ledger_binding.count_step(self, update)
+        privacy_record.count_step(
+            self.privacy_record, update,
+            privacy_record.step_words(aggregator, self._input_checked))
         # Computed on the private batch without noise: not private.
         return {f'{NONPRIVATE_PREFIX}{name}': value
                 for name, value in self.get_metrics_result().items()}
@@ -679,53 +497,3 @@ class DPModel(tf.keras.Model):
         self._update_metrics(y, y_pred, losses, weights,
                              sample_weight is not None)
         return self.get_metrics_result()
-
-    def get_config(self) -> Dict[str, Any]:
-        """The wrapped model and the mechanism's public parameters.
-
-        Holds no seed and no random state (docs/checkpoints.md). A model
-        compiled with a DP optimizer keeps its mechanism in the optimizer's
-        config.
-        """
-        config = {
-            'model': tf.keras.utils.serialize_keras_object(self.inner_model),
-            'physical_batch_size': self.physical_batch_size,
-            'name': self.name,
-        }
-        if self._own_aggregator is not None:
-            config['config'] = self._own_aggregator.config.to_dict()
-        return config
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        """Rebuilds a DPModel from ``get_config()``.
-
-        The basis is not in the config (it can be GBs): for hybrid
-        clipping pass it in as ``config['basis']``, e.g.
-        ``DPModel.from_config({**config, 'basis': HybridBasis.load(path)})``.
-        Without it (as Keras's loaders rebuild a hybrid DPModel) the model
-        refuses to train until ``set_basis``: were this to raise instead,
-        Keras 2's SavedModel loader would revive a generic model whose
-        ``fit`` trains without DP.
-        """
-        config = dict(config)
-        # Keras's own deserializer for layers and models: inside Keras 2's
-        # SavedModel loader the generic one knows no Keras class
-        # ('Unknown object: Sequential'), and the loader then revived a
-        # generic model whose fit trains without DP.
-        model = tf.keras.layers.deserialize(
-            config.pop('model'), custom_objects=custom_objects)
-        mechanism = config.pop('config', None)
-        if mechanism is None:
-            # Compiled with a tf_twice optimizer, which Keras's loaders look
-            # up next; importing the module builds and registers it.
-            importlib.import_module('tf_twice.optimizers')
-            return cls(model, **config)
-        mechanism = config_lib.TwiceSamplingConfig.from_dict(mechanism)
-        if config.get('basis') is not None or mechanism.num_blocks == 1:
-            return cls(model, mechanism, **config)
-        seed = config.pop('seed', None)
-        dp_model = cls(model, **config)
-        dp_model._own_aggregator = aggregator_lib.PrivateAggregator(
-            mechanism, seed=seed, awaiting_basis=True)
-        return dp_model

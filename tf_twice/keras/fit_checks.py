@@ -4,8 +4,8 @@
 config's n at its q1, the ledger's event, no callback acting on a
 ``nonprivate_*`` log). ``check_fit`` runs those refusals and the ones that
 need no ledger: steps on input not known to be Poisson-sampled, run without
-a ledger, are marked so that no ledger attached later accounts them (and
-warned about, unless the config is non-private); a
+a ledger, are marked in the weights' record so that no ledger accounts
+them later (and warned about, unless the config is non-private); a
 multi-worker dataset that would sum an example once per
 worker, weights outside [0, 1], and layers that write statistics of their
 inputs into their state. The checks themselves live in ``guards``,
@@ -103,10 +103,15 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
             'callbacks=[PrivacyLedger.for_model(model, delta=..., '
             'target_epsilon=...)], or attach one (model.attach_ledger; '
             'make_private does).', UserWarning, stacklevel=3)
+    # Steps on input not known to be Poisson are marked so in the weights'
+    # record: no ledger later charges them as the config's Poisson steps.
+    # With a ledger they reach this point only by the explicit opt-in
+    # (strict=False, warned): that fit's ledgers charge them as the event.
+    model.set_input_checked(poisson)
+    if not poisson:
+        for ledger in ledgers:
+            ledger.watch_unchecked_input()
     if not ledgers and not poisson:
-        # Nothing refuses these steps now, but no ledger attached later may
-        # charge them as the config's Poisson steps: the weights keep them.
-        model.aggregator.keys.mark_unverified()
         if not model.config.non_private:
             # Said loudly: an epsilon computed apart from a ledger (e.g. by
             # the privacy statement for the planned steps) would not hold.

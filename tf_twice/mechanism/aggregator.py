@@ -123,8 +123,7 @@ class PrivateAggregator(hybrid.BasisHolder):
         # Untracked (see BasisVariables): the basis is not checkpointed.
         self._basis_variables = (None if basis is None else
                                  hybrid.BasisVariables(basis))
-        self._keys = StepKeys(seed, event=(
-            None if config.non_private else config.dp_event()))
+        self._keys = StepKeys(seed)
 
     @property
     def config(self) -> config_lib.TwiceSamplingConfig:

@@ -17,7 +17,6 @@ import json
 import os
 from typing import Optional, Sequence
 
-import dp_accounting
 import tensorflow as tf
 
 from tf_twice import _validate
@@ -86,15 +85,9 @@ class StepKeys:
         Only an explicitly loaded run state (``load``) continues a stream.
         A seed must be secret and used for one run only: the same seed on
         the same weights and other data gives the same noise.
-      event: the ``DpEvent`` of every step that draws a key from this
-        stream (its aggregator's config is frozen); None for a mechanism
-        without one (``non_private``). A ledger charges a stream's steps
-        only if this is its own event.
     """
 
-    def __init__(self, seed: Optional[int] = None, *,
-                 event: Optional[dp_accounting.DpEvent] = None) -> None:
-        self.event = event
+    def __init__(self, seed: Optional[int] = None) -> None:
         self._seed = (None if seed is None else
                       _validate.integer('seed', seed, 0, _MAX_SEED - 1))
         with tf.init_scope():
@@ -106,36 +99,10 @@ class StepKeys:
                 seed is None, trainable=False, name='step_keys_positioned')
             # The model's state words when it was compiled (record_start).
             self._start = None
-            # Keys drawn: one per logical step, never rewound by a restore
-            # (the ledger counts steps with it).
-            self._draws = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                      name='step_keys_draws')
-        # Draws that some ledger accounts (charged, then bound to the
-        # weights; `PrivacyLedger`) or that are exempt (the trials of an
-        # audit, whose weights are restored): a ledger seeing this stream
-        # for the first time charges every draw after it, so steps that ran
-        # before any ledger saw the model are not lost.
-        self.accounted_draws = 0
-        # Of those, draws whose steps the weights do not hold (an audit's
-        # trials): a ledger need not cover them.
-        self.exempt_draws = 0
-        # The draw count from which on steps ran on input that no check
-        # showed to be Poisson-sampled (``mark_unverified``); None: none.
-        self.unverified_from: Optional[int] = None
-
-    def mark_unverified(self) -> None:
-        """Records that the next steps run on input not known to be
-        Poisson-sampled (e.g. ``fit`` without a ledger on fixed-size
-        batches): no ledger charges them as its event, since the
-        accountant's epsilon is not a bound for them, and the weights keep
-        them."""
-        if self.unverified_from is None:
-            self.unverified_from = self.draws
-
     def __deepcopy__(self, memo):
         # A copy of the state would replay every later key: a copy is a new
-        # OS-entropy stream instead (of the same mechanism's steps).
-        return StepKeys(None, event=self.event)
+        # OS-entropy stream instead.
+        return StepKeys(None)
 
     def __reduce__(self):
         raise TypeError(
@@ -146,11 +113,6 @@ class StepKeys:
     def seeded(self) -> bool:
         """Whether the stream started from a user seed."""
         return self._seed is not None
-
-    @property
-    def draws(self) -> int:
-        """Keys drawn so far in this process (one per logical step)."""
-        return int(self._draws.numpy())
 
     def record_start(self, fingerprint: tf.Tensor) -> None:
         """Records the model's state words when it was wrapped: a seeded
@@ -195,9 +157,7 @@ class StepKeys:
                 key = randomness.draw_step_key(self._generator)
         else:
             key = randomness.draw_step_key(self._generator)
-        with tf.control_dependencies([key]):
-            self._draws.assign_add(1)
-        return tf.identity(key)
+        return key
 
     def next_key(self, fingerprint: Optional[tf.Tensor] = None) -> tf.Tensor:
         """Draws the Philox key of one logical step (uint64, shape [1]).

@@ -1,16 +1,13 @@
-"""`step_control`: the steps a model drew keys for, counted exactly once.
+"""The ledger read, saved and charged from several threads at once.
 
 A monitor thread reading the ledger (its steps or epsilon) while `fit` runs
-makes `DrawnStepCounter.new_steps` race with the steps: a step that
-finishes while the streams are read must be charged at the next reading,
-never marked counted and lost (an under-count of epsilon), and two readings
-at once must not both count it (an over-count). Saves and custom-loop
-records from other threads must not lose steps either.
+races with the steps: every step must be charged exactly once (neither
+lost nor counted twice), and saves and custom-loop records from other
+threads must not lose steps either.
 """
 
 import json
 import threading
-import types
 
 import dp_accounting
 import tensorflow as tf
@@ -21,45 +18,10 @@ from tf_twice import sampling
 from tf_twice.config import TwiceSamplingConfig
 from tf_twice.keras import DPModel
 from tf_twice.keras import PrivacyLedger
-from tf_twice.keras import step_control
 
 DELTA = 1e-5
 N = 64
 X, Y = tiny_models.data(N, seed=11)
-_EVENT = dp_accounting.GaussianDpEvent(1.0)
-
-
-class _StreamWithAConcurrentStep:
-    """A step-key stream on which one step finishes (as if on another
-    thread) right after the ``at``-th read of ``draws``."""
-
-    def __init__(self, at):
-        self._value, self._reads, self._at = 0, 0, at
-        self.event = _EVENT
-        self.accounted_draws = 0
-        self.unverified_from = None
-
-    @property
-    def draws(self):
-        value = self._value
-        self._reads += 1
-        if self._reads == self._at:
-            self._value += 1  # The step's key is drawn after this read.
-        return value
-
-
-def test_a_step_finishing_during_a_reading_is_charged_later():
-    charged = {}
-    for at in range(1, 7):  # The step finishes after each read in turn.
-        stream = _StreamWithAConcurrentStep(at)
-        model = types.SimpleNamespace(key_streams=[stream])
-        counter = step_control.DrawnStepCounter()
-        charged[at] = sum(
-            counter.new_steps(model, _EVENT, bound=True).of_event
-            for _ in range(8))
-        assert stream.draws == 1
-    # The one step that ran, whenever it finished (the bug: 0 for one).
-    assert charged == {at: 1 for at in range(1, 7)}, charged
 
 
 def _dp_model():
@@ -98,7 +60,7 @@ def test_monitors_reading_the_ledger_during_training_charge_every_step_once():
         done.set()
         for thread in threads:
             thread.join()
-    assert dp.aggregator.keys.draws == int(dp.optimizer.iterations) == 40
+    assert int(dp.steps_taken) == int(dp.optimizer.iterations) == 40
     assert ledger.steps == 40
 
 
@@ -136,7 +98,7 @@ def test_a_save_from_another_thread_never_leaves_the_file_behind_the_steps(
                 monitor.join()
                 with open(path) as f:
                     seen.append((json.load(f)['steps'],
-                                 dp.aggregator.keys.draws))
+                                 int(dp.steps_taken)))
 
     dp.fit(sampling.poisson_batches(X, Y, physical_batch_size=8,
                                     expected_batch_size=16.0, steps=9,
@@ -159,14 +121,14 @@ def test_concurrent_record_steps_charge_every_step():
     other_done = threading.Event()
     others = []
 
-    def sync():  # Thread A is switched out after reading `before`.
+    def sync(**kwargs):  # Thread A is switched out after reading `before`.
         if threading.current_thread().name == 'A' and not others:
             others.append(threading.Thread(
                 target=lambda: (ledger.record_steps(1), other_done.set()),
                 name='B'))
             others[0].start()
             other_done.wait(timeout=1)
-        real_sync()
+        real_sync(**kwargs)
 
     ledger._sync = sync
     first = threading.Thread(target=lambda: ledger.record_steps(1), name='A')
