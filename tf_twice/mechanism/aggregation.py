@@ -83,6 +83,28 @@ __all__ = [
 ]
 
 
+def _check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """``weights`` as a flat ``dtype`` tensor, refused at run time outside
+    [0, 1]: a weight above 1 would scale an example's contribution past the
+    clip bound."""
+    if precision.in_xla_context():
+        raise ValueError(
+            'weights cannot be checked inside a function compiled with XLA '
+            '(jit_compile=True drops run-time assertions), and a weight '
+            'outside [0, 1] would break the sensitivity bound: call the '
+            'aggregation outside XLA, or without weights.')
+    weights = tf.reshape(tf.cast(weights, dtype), [-1])
+    in_range = tf.reduce_all(
+        tf.logical_and(weights >= 0, weights <= 1))
+    check = tf.debugging.Assert(in_range, [
+        'per-example weights must be in [0, 1] (1 real, 0 padding); a larger '
+        'weight would break the sensitivity bound. Got min/max:',
+        tf.reduce_min(weights), tf.reduce_max(weights)
+    ])
+    with tf.control_dependencies([check]):
+        return tf.identity(weights)
+
+
 def clipped_masked_block_sums(
     blocks: Sequence[Sequence[tf.Tensor]],
     *,
@@ -151,7 +173,7 @@ def clipped_masked_block_sums(
             'key (from draw_step_key) or masks is required when '
             f'coordinate_sampling_rate < 1, got {coordinate_sampling_rate}.')
     if weights is not None:
-        weights = kernels.check_weights(weights, dtype)
+        weights = _check_weights(weights, dtype)
 
     # A dense kernel's per-example gradients are read from their factors.
     blocks = [[outer_products.factor(g) for g in block] for block in blocks]

@@ -5,12 +5,10 @@ batch (steps 1-4 of its docstring): ``squared_norms`` and ``clip_scale`` give
 each example's l2 clip factor over a block, ``drop_non_finite`` zeroes the
 examples whose norm is not finite, and ``sum_block`` applies the factor, the
 l-infinity clip, the Bernoulli(q2) masks and the weights and sums over the
-examples, tensor by tensor; ``check_weights`` refuses, at run time, a weight
-outside [0, 1]. Each tensor is a [B, ...] tensor or, for a dense kernel's
-gradients, `outer_products.OuterProducts` (the same numbers, never written
-out). Masks come from ``randomness`` (stream
-``mask_stream(block, k)`` for tensor k of a block), so they do not depend on
-how a logical batch is split into microbatches.
+examples, tensor by tensor. Each tensor is a [B, ...] tensor or, for a dense
+kernel's gradients, `outer_products.OuterProducts` (the same numbers, never
+written out). Masks come from ``randomness`` (stream ``mask_stream(block,
+k)`` for tensor k of a block): they do not depend on how a batch is split.
 """
 
 import math
@@ -28,7 +26,6 @@ from tf_twice.mechanism.outer_products import PerExample
 from tf_twice.mechanism.randomness import TensorLike
 
 __all__ = [
-    'check_weights',
     'clip_scale',
     'drop_non_finite',
     'representable',
@@ -41,35 +38,13 @@ def _num_elements(shape: Sequence[int]) -> int:
     return int(math.prod(int(s) for s in shape))
 
 
-def check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    # A weight above 1 would scale an example's contribution past the clip
-    # bound, so it is refused rather than silently accepted.
-    if precision.in_xla_context():
-        raise ValueError(
-            'weights cannot be checked inside a function compiled with XLA '
-            '(jit_compile=True drops run-time assertions), and a weight '
-            'outside [0, 1] would break the sensitivity bound: call the '
-            'aggregation outside XLA, or without weights.')
-    weights = tf.reshape(tf.cast(weights, dtype), [-1])
-    in_range = tf.reduce_all(
-        tf.logical_and(weights >= 0, weights <= 1))
-    check = tf.debugging.Assert(in_range, [
-        'per-example weights must be in [0, 1] (1 real, 0 padding); a larger '
-        'weight would break the sensitivity bound. Got min/max:',
-        tf.reduce_min(weights), tf.reduce_max(weights)
-    ])
-    with tf.control_dependencies([check]):
-        return tf.identity(weights)
-
-
 # Squares are summed in the gradients' dtype over at most this many numbers
 # at a time (`_inner_length`), those partial sums in float64: the bound on a
 # float32 sum's rounding grows with the numbers summed (gamma_1026 = 6e-5).
 _INNER_TERMS = 2**10
-# Roundings in `clip_scale` and `sum_block` after the bound (their float64
-# square root and division, the scale cast to the gradients' dtype, and at
-# most three products per coordinate: scale, weight, coefficient), with room
-# to spare.
+# Roundings in `clip_scale` and `sum_block` after the bound (float64 square
+# root and division, the scale cast to the gradients' dtype, at most three
+# products per coordinate: scale, weight, coefficient), and room to spare.
 _ROUNDINGS_AFTER_NORMS = 8
 
 
