@@ -12,6 +12,8 @@ import pytest
 from tf_twice import config as config_lib
 from tf_twice.config import Block, TwiceSamplingConfig
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 N = 60_000
 
 

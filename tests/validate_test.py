@@ -8,6 +8,8 @@ import pytest
 from tf_twice import _validate
 from tf_twice.accounting import blocks as blocks_lib
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 NAN, INF = math.nan, math.inf
 
 

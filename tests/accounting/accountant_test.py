@@ -11,6 +11,8 @@ from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import twice_sampling_rdp
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 ORDERS = np.array(rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
 
 

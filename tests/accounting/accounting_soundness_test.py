@@ -26,6 +26,8 @@ from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import twice_sampling_rdp
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 # ---------------------------------------------------------------------------
 # An independent reference: the paper's formulas summed term by term in
 # 60-digit arithmetic (no logs of factorials, no flooring, no expm1).

@@ -24,6 +24,8 @@ from numpy.polynomial.hermite_e import hermegauss
 
 from tf_twice.accounting import twice_sampling_rdp
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 
 def _add_direction(alpha, q1, q2, sigma, sizes, points, power=None):
     """D_alpha(P || Q) = log E_P[(1 - q1 + q1 prod_l L_l)^(1 - alpha)] /

@@ -9,6 +9,8 @@ from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting.budget import PrivacyBudget
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 DELTA = 1e-5
 EVENT = TwiceSampledGaussianDpEvent(
     example_sampling_rate=0.25, coordinate_sampling_rate=0.5,

@@ -16,6 +16,8 @@ from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import blocks as blocks_lib
 from tf_twice.accounting import calibration
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 SETTING = dict(delta=1e-5, steps=2000, example_sampling_rate=0.01,
                coordinate_sampling_rate=0.5)
 

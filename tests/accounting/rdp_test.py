@@ -17,6 +17,8 @@ from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import twice_sampling_rdp
 from tf_twice.accounting.rdp import MAX_ORDER
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 DEFAULT_ORDERS = np.array(rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
 INTEGER_ORDERS = DEFAULT_ORDERS[DEFAULT_ORDERS == np.round(DEFAULT_ORDERS)]
 

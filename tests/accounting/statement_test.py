@@ -22,6 +22,8 @@ from tf_twice.accounting import epsilon_after_steps
 from tf_twice.accounting import noise_variance_ratio
 from tf_twice.accounting import statement
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 needs_tf_privacy = pytest.mark.skipif(
     importlib.util.find_spec('tensorflow_privacy') is None,
     reason='compares with tensorflow-privacy, which is not installed')

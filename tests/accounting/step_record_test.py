@@ -10,6 +10,8 @@ import pytest
 
 from tf_twice.accounting import step_record as sr
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 E = sr.event_words('{"event": "E"}')  # The ledger's event.
 F = sr.event_words('{"event": "F"}')  # Another mechanism.
 

@@ -19,6 +19,8 @@ from tf_twice import accounting
 from tf_twice.accounting import budget as budget_lib
 from tf_twice.config import Block, TwiceSamplingConfig
 
+pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
+
 NAN, INF = math.nan, math.inf
 
 POSITIVE = [0, 0.0, -1.0, NAN, INF, -INF, True, np.float32(NAN),
