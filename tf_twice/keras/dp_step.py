@@ -28,7 +28,7 @@ def private_update(aggregator: aggregator_lib.PrivateAggregator,
                    model: tf.keras.Model, example_loss: Any, x: Any,
                    y: tf.Tensor, weights: tf.Tensor, size: tf.Tensor,
                    variables: Sequence[tf.Variable], *,
-                   physical_batch_size: int, step: tf.Variable,
+                   physical_batch_size: int, step: tf.Tensor,
                    on_chunk: Callable[..., None]) -> List[tf.Tensor]:
     """The noisy update of one logical batch, one tensor per variable.
 
@@ -41,7 +41,7 @@ def private_update(aggregator: aggregator_lib.PrivateAggregator,
       size: the rows of the batch on this replica.
       variables: the trainable variables of ``model``.
       physical_batch_size: rows per chunk.
-      step: the optimizer's step counter (positions a seeded key stream).
+      step: the DP steps the weights hold (positions a seeded key stream).
       on_chunk: called with ``(y, predictions, losses, weights)`` of every
         chunk, for the metrics.
     """
