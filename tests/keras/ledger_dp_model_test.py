@@ -737,3 +737,19 @@ def test_steps_a_fit_opted_in_on_unchecked_input_are_not_accepted_later():
     later = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     with pytest.raises(ValueError, match='cannot account'):
         dp.fit(_data(steps=1), callbacks=[later], verbose=0)
+
+
+def test_a_fit_an_exception_ended_leaves_no_ledger_in_the_train_function():
+    # Keras calls no on_train_end then: DPModel.fit releases the train
+    # function itself, so a later fit without the ledger runs without it
+    # (here on unchecked input, which that ledger would have refused).
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    with pytest.raises(OSError, match='disk full'):
+        dp.fit(_data(steps=3), callbacks=[_FailingCallback(2), ledger],
+               verbose=0)
+    assert dp.train_function.__name__ != 'watched_train_function'
+    unchecked = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).take(1)
+    with pytest.warns(UserWarning, match='not Poisson-sampled'):
+        dp.fit(unchecked, verbose=0)
+    assert ledger.budget.steps == 2 and int(dp.steps_taken) == 3

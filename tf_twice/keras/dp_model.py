@@ -381,7 +381,7 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
                                *args, **kwargs)
         finally:
             object.__setattr__(self, '_fit_element_spec', None)
-            self.set_input_checked(True)  # Custom loops vouch for theirs.
+            fit_checks.end_fit(self, callbacks)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         """Keras 3's build before training under a strategy, from the

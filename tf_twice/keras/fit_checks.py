@@ -27,7 +27,8 @@ from tf_twice.keras import layer_state
 from tf_twice.keras import ledger as ledger_lib
 from tf_twice.keras import per_example
 
-__all__ = ['check_batches_fit_model', 'check_fit', 'with_attached_ledger']
+__all__ = ['check_batches_fit_model', 'check_fit', 'end_fit',
+           'with_attached_ledger']
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -133,6 +134,16 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
     layer_state.check_no_input_dependent_state(
         model.inner_model, layer_state.input_spec_of(x),
         model.distribute_strategy)
+
+
+def end_fit(model: Any, callbacks: Any) -> None:
+    """Undoes what one ``fit`` set, however it ended: the next steps (a
+    custom loop's) are taken as checked input, as documented; the ledgers
+    neither watch the train function nor charge unchecked input."""
+    model.set_input_checked(True)
+    ledger_lib.release_train_function(model)
+    for ledger in ledger_lib.ledgers_in(callbacks):
+        ledger.watch_unchecked_input(False)
 
 
 def _per_example_shape(spec: Any) -> Any:

@@ -387,12 +387,13 @@ class PrivacyLedger(ledger_loops.CustomLoops,
                 'noise, and two releases with the same noise reveal their '
                 'noise-free difference. Leave seed=None for a release.')
 
-    def watch_unchecked_input(self) -> None:
+    def watch_unchecked_input(self, watch: bool = True) -> None:
         """Called by `DPModel.fit(allow_non_poisson_input=True)` on input
-        that is not Poisson: this fit's steps, recorded as on unchecked
-        input, are charged as the event (its epsilon does not hold for
-        them, as that fit warns); no other ledger accepts them later."""
-        self._unchecked_input_watched = True
+        that is not Poisson (and with False when it ends): this fit's
+        steps, recorded as on unchecked input, are charged as the event
+        (its epsilon does not hold for them, as that fit warns); no other
+        ledger accepts them later."""
+        self._unchecked_input_watched = bool(watch)
 
     def _watch_train_function(self) -> None:
         """Reads the record right before and after each execution of this
@@ -446,9 +447,7 @@ class PrivacyLedger(ledger_loops.CustomLoops,
         self._budget.write()
 
     def on_train_end(self, logs=None):
-        for name in (_BLOCKED_NAME, _WATCHED_NAME):
-            _restore_train_function(self.model, name)
-        self._unchecked_input_watched = False
+        release_train_function(self.model)
         self._sync()
         self._budget.write()
         if self._writer is not None:
@@ -477,6 +476,13 @@ def _swap_train_function(model: tf.keras.Model, name: str, make) -> None:
     swapped = make(current)
     swapped.original = current
     model.train_function = swapped
+
+
+def release_train_function(model: tf.keras.Model) -> None:
+    """Gives `model` its own train function back, blocked or watched by a
+    ledger (at the end of a fit, also one an exception ended)."""
+    for name in (_BLOCKED_NAME, _WATCHED_NAME):
+        _restore_train_function(model, name)
 
 
 def _restore_train_function(model: tf.keras.Model, name: str) -> None:
