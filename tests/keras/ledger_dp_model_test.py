@@ -688,11 +688,12 @@ def test_steps_undone_by_a_callback_are_charged(tmp_path, ledger_first):
     dp = _dp_model()
     dp(X[:1])
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    other = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     undo = _RollBack(str(tmp_path / 'kept.weights.h5'))
-    dp.fit(_data(steps=6), verbose=0,
-           callbacks=[ledger, undo] if ledger_first else [undo, ledger])
+    dp.fit(_data(steps=6), verbose=0, callbacks=(
+        [ledger, undo, other] if ledger_first else [undo, ledger, other]))
     assert undo.ran == 6 and int(dp.steps_taken) == 3
-    assert ledger.steps == 6
+    assert ledger.steps == other.steps == 6  # Two ledgers watch alike.
 
 
 def test_a_step_whose_hooks_an_exception_cut_off_is_charged_on_restore(
@@ -753,3 +754,19 @@ def test_a_fit_an_exception_ended_leaves_no_ledger_in_the_train_function():
     with pytest.warns(UserWarning, match='not Poisson-sampled'):
         dp.fit(unchecked, verbose=0)
     assert ledger.budget.steps == 2 and int(dp.steps_taken) == 3
+
+
+def test_a_refused_opt_in_fit_leaves_no_opt_in_behind():
+    # The fit opted in to unchecked input is refused before any step (a
+    # class weight outside [0, 1]): its ledger must not go on accepting
+    # unchecked steps, e.g. those of a later fit without it.
+    dp = _dp_model()
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
+    shuffled = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).take(2)
+    with pytest.raises(ValueError, match='class_weight'):
+        dp.fit(shuffled, callbacks=[ledger], verbose=0,
+               allow_non_poisson_input=True, class_weight={0: 2.0})
+    with pytest.warns(UserWarning, match='not Poisson-sampled'):
+        dp.fit(shuffled, verbose=0)
+    assert ledger.steps == 2 and int(dp.steps_taken) == 4

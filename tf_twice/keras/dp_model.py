@@ -364,19 +364,20 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
                              f'got {allow_non_poisson_input!r}.')
         self._require_aggregator()
         callbacks = fit_checks.with_attached_ledger(self, callbacks)
-        fit_checks.check_fit(self, x, callbacks, args, kwargs,
-                             strict=not allow_non_poisson_input,
-                             nonprivate_prefix=NONPRIVATE_PREFIX)
-        # After the checks, which read the Poisson marker that map drops.
-        x, args, kwargs = class_weights.apply_class_weight(x, y, args, kwargs)
-        is_dataset = isinstance(x, tf.data.Dataset)
-        if is_dataset and len(args) < 3:
-            # Each element is one logical batch: there is nothing to
-            # shuffle (Keras 3 warns about its default shuffle=True).
-            kwargs.setdefault('shuffle', False)
-        object.__setattr__(self, '_fit_element_spec',
-                           x.element_spec if is_dataset else None)
-        try:
+        try:  # end_fit undoes what check_fit sets, also when it refuses.
+            fit_checks.check_fit(self, x, callbacks, args, kwargs,
+                                 strict=not allow_non_poisson_input,
+                                 nonprivate_prefix=NONPRIVATE_PREFIX)
+            # After the checks, which read the Poisson marker map drops.
+            x, args, kwargs = class_weights.apply_class_weight(x, y, args,
+                                                               kwargs)
+            is_dataset = isinstance(x, tf.data.Dataset)
+            if is_dataset and len(args) < 3:
+                # Each element is one logical batch: nothing to shuffle
+                # (Keras 3 warns about its default shuffle=True).
+                kwargs.setdefault('shuffle', False)
+            object.__setattr__(self, '_fit_element_spec',
+                               x.element_spec if is_dataset else None)
             return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                                *args, **kwargs)
         finally:

@@ -370,7 +370,7 @@ class PrivacyLedger(ledger_loops.CustomLoops,
         # Refused before any step runs, so nothing is charged for them.
         guards.check_no_example_mixing(self.model)
         guards.check_ledger_event(self.event, self.model)
-        _restore_train_function(self.model, _BLOCKED_NAME)
+        _unwrap_train_function(self.model, (_BLOCKED_NAME,))
         self._stopped_by_budget = False
         self._stopped_at_max_steps = False
         # Steps that ran unseen (an interrupted fit, a custom loop) are
@@ -403,13 +403,16 @@ class PrivacyLedger(ledger_loops.CustomLoops,
         def watch(original):
             def watched_train_function(iterator):
                 self._sync(watch=True, in_fit=True)
-                logs = original(iterator)
+                try:
+                    logs = original(iterator)
+                except BaseException:
+                    self._sync(strict=False)  # Steps of a cut execution.
+                    raise
                 self._sync(in_fit=True)
                 return logs
             return watched_train_function
-        # Another ledger's, left by a fit an exception ended, goes first.
-        _restore_train_function(self.model, _WATCHED_NAME)
-        _swap_train_function(self.model, _WATCHED_NAME, watch)
+        # Every ledger of the fit watches: each over the other's wrapper.
+        _swap_train_function(self.model, _WATCHED_NAME, watch, owner=self)
 
     def on_train_batch_begin(self, batch, logs=None):
         k = self._steps_per_execution()
@@ -467,29 +470,31 @@ def _blocked(model: tf.keras.Model) -> Any:
     return blocked_train_function
 
 
-def _swap_train_function(model: tf.keras.Model, name: str, make) -> None:
-    """Replaces `model.train_function`, which `fit` calls for each
-    execution, by `make(original)` named `name` (once)."""
-    current = model.train_function
-    if getattr(current, '__name__', '') == name:
-        return
+def _swap_train_function(model: tf.keras.Model, name: str, make,
+                         owner: Any = None) -> None:
+    """Puts `make(current)`, named `name`, over `model.train_function`,
+    which `fit` calls for each execution (once per `name` and `owner`)."""
+    current = layer = model.train_function
+    while getattr(layer, '__name__', '') in (_BLOCKED_NAME, _WATCHED_NAME):
+        if layer.__name__ == name and layer.owner is owner:
+            return
+        layer = layer.original
     swapped = make(current)
-    swapped.original = current
+    swapped.original, swapped.owner = current, owner
     model.train_function = swapped
 
 
 def release_train_function(model: tf.keras.Model) -> None:
     """Gives `model` its own train function back, blocked or watched by a
     ledger (at the end of a fit, also one an exception ended)."""
-    for name in (_BLOCKED_NAME, _WATCHED_NAME):
-        _restore_train_function(model, name)
+    _unwrap_train_function(model, (_BLOCKED_NAME, _WATCHED_NAME))
 
 
-def _restore_train_function(model: tf.keras.Model, name: str) -> None:
-    """Undoes `_swap_train_function(model, name, ...)` (if it swapped)."""
+def _unwrap_train_function(model: tf.keras.Model, names) -> None:
+    """Removes the outer layers of `model.train_function` named in
+    `names` (`_swap_train_function`'s)."""
     current = getattr(model, 'train_function', None)
-    original = getattr(current, 'original', None)
-    if original is not None and getattr(current, '__name__', '') == name:
-        model.train_function = original
-    if name == _BLOCKED_NAME and 'get_metrics_result' in vars(model):
+    while getattr(current, '__name__', '') in names:
+        current = model.train_function = current.original
+    if _BLOCKED_NAME in names and 'get_metrics_result' in vars(model):
         del model.get_metrics_result  # The class's method again.
