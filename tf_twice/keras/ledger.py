@@ -317,10 +317,10 @@ class PrivacyLedger(ledger_loops.CustomLoops,
             instead, so the state can still be read and saved.
         """
         model = getattr(self, 'model', None)
-        record = privacy_record.read(model)
-        if record is None:
-            return
-        with self._charge_lock:
+        with self._charge_lock:  # The record read is the one charged.
+            record = privacy_record.read(model)
+            if record is None:
+                return
             accepted_model, accepted = self._accepted
             words = step_record.event_words(self._budget.event_key)
             history = [(step_record.event_words(key), count)
