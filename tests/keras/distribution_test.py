@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -64,8 +65,7 @@ def _start(*args):
         text=True)
 
 
-@pytest.fixture(scope='module')
-def results():
+def _run_all():
     runs = [_start(group) for group in _GROUPS]
     merged = {}
     for run in runs:
@@ -75,6 +75,41 @@ def results():
     workers = [_start('multi_worker', str(i), *ports) for i in range(2)]
     merged['workers'] = [_result(run) for run in workers]
     return merged
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+    """The processes' results, run once per test session: pytest-xdist
+    sets a module's fixture up in every worker, and each set of processes
+    costs minutes of CPU, so the first worker runs them and the others read
+    its file (in the session's base directory, shared by its workers)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get('PYTEST_XDIST_WORKER'):
+        base = base.parent
+    path, lock = base / 'distribution.json', base / 'distribution.lock'
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:  # Another worker runs them.
+        deadline = time.monotonic() + 3 * _TIMEOUT_S
+        while not path.exists():
+            assert time.monotonic() < deadline, 'the other worker hung'
+            time.sleep(1)
+        shared = json.loads(path.read_text())
+        assert 'error' not in shared, shared.get('error')
+        return shared
+    try:
+        merged = _run_all()
+    except BaseException as e:
+        _write_atomically(path, {'error': f'{type(e).__name__}: {e}'})
+        raise
+    _write_atomically(path, merged)
+    return merged
+
+
+def _write_atomically(path, value):
+    partial = path.with_suffix('.partial')
+    partial.write_text(json.dumps(value))
+    os.replace(partial, path)
 
 
 @pytest.mark.parametrize('task', [
