@@ -34,7 +34,7 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Tuple
 
 import dp_accounting
 import numpy as np
@@ -133,42 +133,26 @@ def _hex_to_word(name: str, text: Any) -> int:
     return word
 
 
-def merge_segments(segments: Iterable[Tuple[str, int]],
-                   steps: Optional[int] = None) -> List[List[Any]]:
-    """[event_key, count] runs of the first `steps` steps (all if None) of
-    (event_key, count) pairs in order: consecutive pairs of one event are
-    joined and empty ones dropped.
-
-    Raises:
-      ValueError: `steps` exceeds the pairs' steps.
-    """
+def merge_segments(segments: Iterable[Tuple[str, int]]) -> List[List[Any]]:
+    """[event_key, count] runs of (event_key, count) pairs in order:
+    consecutive pairs of one event are joined and empty ones dropped."""
     merged: List[List[Any]] = []
-    left = steps
     for key, count in segments:
-        if left is not None:
-            count = min(count, left)
-            left -= count
         if count <= 0:
             continue
         if merged and merged[-1][0] == key:
             merged[-1][1] += count
         else:
             merged.append([key, count])
-    if left:
-        raise ValueError(f'steps={steps} exceeds the history\'s steps.')
     return merged
 
 
-def history_digest(segments: Iterable[Tuple[str, int]],
-                   steps: Optional[int] = None) -> int:
-    """A word in [0, 2**63) that names the events of the first `steps` steps.
-
-    `segments` are (event_key, count) pairs in order; all steps if `steps`
-    is None. They are merged first (`merge_segments`), so a history and any
-    continuation of it give the same digest for their common first steps
-    (SHA-256 of the merged list, truncated).
+def history_digest(segments: Iterable[Tuple[str, int]]) -> int:
+    """A word in [0, 2**63) that names the events of a history of
+    (event_key, count) pairs, in order: SHA-256 of the merged list
+    (`merge_segments`), truncated.
     """
-    text = json.dumps(merge_segments(segments, steps))
+    text = json.dumps(merge_segments(segments))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8],
                           'big') >> 1
 
