@@ -45,6 +45,7 @@ epsilon bounds what the weights reveal.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Iterable, NamedTuple, Optional, Sequence, Tuple
 
@@ -70,6 +71,7 @@ class Record(NamedTuple):
 EMPTY = Record(0, (0, 0))
 
 
+@functools.lru_cache(maxsize=64)  # A ledger asks at every step.
 def event_words(event_key: str) -> Words:
     """The two words of an event (`ledger_state.event_key`), in [3, P)."""
     raw = hashlib.sha256(event_key.encode()).digest()
@@ -101,7 +103,7 @@ def is_valid(record: Record) -> bool:
                                      for d in record.digest)
 
 
-def steps_to_charge(history: Sequence[Tuple[Words, int]],
+def steps_to_charge(history: Iterable[Tuple[Words, int]],
                     last_accepted: Optional[Record], record: Record,
                     words: Words,
                     watched_words: Sequence[Words] = ()) -> Optional[int]:
@@ -109,7 +111,8 @@ def steps_to_charge(history: Sequence[Tuple[Words, int]],
     weights holding `record` (module docstring); None: refused.
 
     Args:
-      history: the ledger's (words, count) segments, in order.
+      history: the ledger's (words, count) segments, in order (iterated
+        only when the record does not extend `last_accepted`).
       last_accepted: the record this ledger accepted last for these
         weights (None: none yet).
       record: the weights' record.

@@ -323,8 +323,8 @@ class PrivacyLedger(ledger_loops.CustomLoops,
                 return
             accepted_model, accepted = self._accepted
             words = step_record.event_words(self._budget.event_key)
-            history = [(step_record.event_words(key), count)
-                       for key, count in self._budget.history()]
+            history = ((step_record.event_words(key), count)
+                       for key, count in self._budget.history())
             charge = step_record.steps_to_charge(
                 history, accepted if accepted_model is model else None,
                 record, words, watched_words=(
@@ -376,7 +376,7 @@ class PrivacyLedger(ledger_loops.CustomLoops,
         # Steps that ran unseen (an interrupted fit, a custom loop) are
         # charged now.
         self._sync()
-        if privacy_record.read(self.model) is not None:
+        if privacy_record.has_record(self.model):
             self._watch_train_function()
         keys = getattr(getattr(self.model, 'aggregator', None), 'keys', None)
         if getattr(keys, 'seeded', False) and self._verbose:
@@ -422,7 +422,7 @@ class PrivacyLedger(ledger_loops.CustomLoops,
                                  lambda _: _blocked(self.model))
             return
         self._budget.reserve_ahead(k)
-        if privacy_record.read(self.model) is None:
+        if not privacy_record.has_record(self.model):
             # No record: its k steps are charged now, before they run (a
             # final execution that runs fewer is charged whole).
             self._charge(k)

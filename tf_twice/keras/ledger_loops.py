@@ -87,7 +87,7 @@ class CustomLoops:
         guards.check_ledger_event(self.event, model)
         self._sync(watch=watch)
         if (self._verbose and not self._loop_warned
-                and privacy_record.read(model) is not None):
+                and privacy_record.has_record(model)):
             self._loop_warned = True
             _LOGGER.warning(
                 'PrivacyLedger: %s runs a custom loop, whose input this '

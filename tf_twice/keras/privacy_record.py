@@ -27,7 +27,7 @@ from tf_twice import _keras
 from tf_twice.accounting import ledger_state
 from tf_twice.accounting import step_record
 
-__all__ = ['add_variable', 'count_step', 'read', 'step_words']
+__all__ = ['add_variable', 'count_step', 'has_record', 'read', 'step_words']
 
 
 def add_variable(model: tf.keras.Model) -> Any:
@@ -62,6 +62,11 @@ def count_step(record: tf.Variable, update: Sequence[tf.Tensor],
         digest = (value[1:] * tf.constant(step_record.MULTIPLIERS, tf.int64)
                   + words) % step_record.MODULUS
         record.assign(tf.concat([value[:1] + 1, digest], 0))
+
+
+def has_record(model: Any) -> bool:
+    """Whether `model` keeps a record (a DPModel), without reading it."""
+    return getattr(model, 'privacy_record', None) is not None
 
 
 def read(model: Any) -> Optional[step_record.Record]:
