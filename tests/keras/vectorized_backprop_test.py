@@ -390,9 +390,7 @@ def test_a_grouped_conv_is_converted_group_by_group(monkeypatch):
     # over examples and groups, which failed on an AMD EPYC ("filter_size
     # does not have enough elements, requested 144, got 72") and which
     # Eigen's kernel (TF_ENABLE_ONEDNN_OPTS=0) refuses. Ours never hands
-    # it over: each group's kernel gradient is an ungrouped conv's. (A
-    # plain tf.nn.conv2d here: Keras's Conv2D(groups=2) runs its conv in
-    # an XLA-compiled function, whose ops still reach TensorFlow's.)
+    # it over: each group's kernel gradient is an ungrouped conv's.
     shape = (6, 6, 4)
     conv = _GroupedConv()
     model = _model(conv, shape)
@@ -401,6 +399,27 @@ def test_a_grouped_conv_is_converted_group_by_group(monkeypatch):
     got = per_example.gradients(model, LOSS, x, y).gradients
     assert calls == ['ours']
     conv.split = True
+    for g, want in zip(got, _one_at_a_time(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
+
+
+def test_a_keras_grouped_conv_runs_one_conv_per_group_per_example(
+        monkeypatch):
+    # Keras runs Conv2D(groups=2) in an XLA-compiled function, whose ops
+    # pfor converts outside XLA: on Eigen's CPU kernels (and on an AMD EPYC
+    # with oneDNN) a DPModel's first step failed there. Inside the pass each
+    # group is an ungrouped conv, whose gradients our converters take (two
+    # for the grouped layer after one for the first), the same function.
+    shape = (6, 6, 2)
+    grouped = tf.keras.layers.Conv2D(4, 3, padding='same', groups=2)
+    model = _model(lambda x: grouped(tf.keras.layers.Conv2D(
+        4, 3, padding='same')(x)), shape)
+    x, y = _data(shape)
+    calls = _count_conversions(monkeypatch)
+    got = per_example.gradients(model, LOSS, x, y).gradients
+    assert calls == ['ours'] * 3
+    assert 'convolution_op' not in vars(grouped)  # Restored after the pass.
+    assert '_jit_compiled_convolution_op' not in vars(grouped)
     for g, want in zip(got, _one_at_a_time(model, x, y)):
         np.testing.assert_allclose(g.numpy(), want, rtol=2e-5, atol=2e-6)
 

@@ -217,7 +217,8 @@ def gradients(model: tf.keras.Model, loss: LossFn, x: Any, y: tf.Tensor, *,
         prediction = tf.nest.map_structure(lambda t: t[0], prediction)
         return grads, example_loss, prediction
 
-    return PerExample(*tf.vectorized_map(one_example, (x, y)))
+    with vectorized_backprop.ungrouped_convolutions(model):
+        return PerExample(*tf.vectorized_map(one_example, (x, y)))
 
 
 # --- weights ----------------------------------------------------------------

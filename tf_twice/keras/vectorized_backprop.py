@@ -75,10 +75,12 @@ shared by all examples, NCHW, a shape or kernel size known only at run
 time, explicit padding of a pool), it hands the op to TensorFlow's
 converter. A grouped conv's kernel gradient is taken group by group, each
 as an ungrouped conv's: TensorFlow's conversion of it fails where the CPU
-kernel is Eigen's. Not yet for Keras's ``Conv2D(groups > 1)``: Keras runs
-that conv inside a function it compiles with XLA, and the ops of a function
-call go to TensorFlow's converters, so such a layer still fails without
-oneDNN (``TF_ENABLE_ONEDNN_OPTS=0``).
+kernel is Eigen's. Keras runs a ``Conv(groups > 1)`` layer's conv in a
+function it compiles with XLA (CPU kernels without oneDNN take no groups);
+pfor converts that function's ops one example at a time, outside XLA, where
+they fail (``TF_ENABLE_ONEDNN_OPTS=0``, and on some AMD CPUs with it). So
+inside a per-example pass such a layer runs one ungrouped conv per group
+(`ungrouped_convolutions`), the same sum, which the converters above take.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
-__all__ = ['faster_conversions']
+__all__ = ['faster_conversions', 'ungrouped_convolutions']
 
 
 @contextlib.contextmanager
@@ -109,6 +111,38 @@ def faster_conversions() -> Iterator[None]:
         if op.type in CONVERTERS:
             # pfor reads this attribute before its registry.
             op.pfor_converter = CONVERTERS[op.type]
+
+
+@contextlib.contextmanager
+def ungrouped_convolutions(model: tf.keras.Model) -> Iterator[None]:
+    """Inside the block, each Keras conv layer of ``model`` with groups > 1
+    computes its conv as one ungrouped conv per group, concatenated (group
+    k: input channels [k c, (k + 1) c), filters [k f, (k + 1) f))."""
+    patched = []
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+        groups = getattr(layer, 'groups', 1)
+        conv = getattr(type(layer), 'convolution_op', None)
+        if not isinstance(groups, int) or groups <= 1 or conv is None:
+            continue
+        # Keras 2 calls the XLA-compiled method for groups > 1; Keras 3
+        # calls convolution_op, whose backend compiles a grouped conv.
+        name = ('_jit_compiled_convolution_op' if hasattr(
+            type(layer), '_jit_compiled_convolution_op') else 'convolution_op')
+        object.__setattr__(layer, name, functools.partial(
+            _conv_per_group, layer, conv, groups))
+        patched.append((layer, name))
+    try:
+        yield
+    finally:
+        for layer, name in patched:
+            object.__delattr__(layer, name)
+
+
+def _conv_per_group(layer, conv, groups: int, inputs, kernel):
+    axis = 1 if getattr(layer, 'data_format', '') == 'channels_first' else -1
+    return tf.concat([conv(layer, x, k) for x, k in zip(
+        tf.split(inputs, groups, axis=axis), tf.split(kernel, groups, -1))],
+                     axis=axis)
 
 
 def _stock(pfor_input):
