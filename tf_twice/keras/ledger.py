@@ -28,13 +28,17 @@ over-counts, never under-counts. A plain Keras model (no record) is charged
 before each execution; its caller vouches for the event. At each epoch end
 `logs['epsilon']` is set for the callbacks after the ledger (and written to
 `log_dir` as the scalar `epoch_epsilon`).
+
+The rule, the budget it charges and the custom loops' arithmetic are
+TF-free (`tf_twice.accounting.step_ledger.StepLedger`, this class's base);
+this module adds what needs Keras: its hooks, the train function it watches
+or blocks, the checks of the model.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import dp_accounting
 import tensorflow as tf
@@ -42,11 +46,11 @@ import tensorflow as tf
 from tf_twice import _keras
 from tf_twice import _validate
 from tf_twice.accounting import budget as budget_lib
+from tf_twice.accounting import step_ledger
 from tf_twice.accounting import step_record
 from tf_twice.accounting.budget import STATE_FORMAT
 from tf_twice.accounting.budget import STATE_VERSION
 from tf_twice.keras import guards
-from tf_twice.keras import ledger_loops
 from tf_twice.keras import privacy_record
 
 __all__ = ['PrivacyLedger', 'STATE_FORMAT', 'STATE_VERSION']
@@ -62,24 +66,7 @@ def ledgers_in(callbacks: Any) -> List['PrivacyLedger']:
             if isinstance(c, PrivacyLedger)]
 
 
-class _BudgetView:
-    """The budget's attribute `name` (a method is bound to it), read after
-    charging the steps the model's record adds (unless not `sync`), so no
-    reading misses a step that ran (`PrivacyBudget` documents each)."""
-
-    def __init__(self, name: str, sync: bool = True):
-        self._name, self._sync = name, sync
-
-    def __get__(self, ledger, owner=None):
-        if ledger is None:
-            return self
-        if self._sync:
-            ledger._sync(strict=False)  # pylint: disable=protected-access
-        return getattr(ledger.budget, self._name)
-
-
-class PrivacyLedger(ledger_loops.CustomLoops,
-                    tf.keras.callbacks.Callback):
+class PrivacyLedger(step_ledger.StepLedger, tf.keras.callbacks.Callback):
     """Counts DP steps of `fit`, reports epsilon, stops at a target, persists.
 
     The module docstring states what it guarantees; `PrivacyBudget`, the
@@ -127,18 +114,7 @@ class PrivacyLedger(ledger_loops.CustomLoops,
             event, delta, target_epsilon=target_epsilon, max_steps=max_steps,
             state_path=state_path, save_every_steps=save_every_steps,
             orders=orders), log_dir=log_dir, verbose=verbose)
-        if self._budget.resumed and self._verbose:
-            _LOGGER.warning('PrivacyLedger: resumed %d steps from %s '
-                            '(epsilon %.4g at delta %g).', self.steps,
-                            self.state_path, self.epsilon, self.delta)
-            history = self._budget.history()
-            if history[-1][0] != self._budget.event_key:
-                # Sound (composed), but rarely what a resume meant to do.
-                _LOGGER.warning(
-                    'PrivacyLedger: the steps resumed from %s ran another '
-                    'mechanism than this ledger\'s event; both are '
-                    'accounted, composed (%d segment(s) so far).',
-                    self.state_path, len(history))
+        self._log_resumed()
 
     @classmethod
     def for_model(cls,
@@ -208,81 +184,14 @@ class PrivacyLedger(ledger_loops.CustomLoops,
 
     def _setup(self, budget: budget_lib.PrivacyBudget, *, log_dir,
                verbose) -> None:
-        self._budget = budget
-        self._verbose = int(verbose)
+        super()._setup(budget, verbose=verbose)
         self._log_dir = log_dir
         self._writer = None
-        # Reading a record and charging its steps are one step for readers
-        # on other threads: none sees steps read but not yet charged.
-        self._charge_lock = threading.RLock()
-        # (model, record) this ledger accepted last: steps that extend it
-        # by this ledger's event ran while it watched (`step_record`).
-        self._accepted: Tuple[Any, Optional[step_record.Record]] = (None,
-                                                                     None)
         self._loop_warned = False
-        # A custom loop's record at its last reserve or record, and the
-        # steps charged since: record_steps adds only what they miss.
-        self._loop_mark: Optional[step_record.Record] = None
-        self._record_charged = 0
-        # Whether this fit opted in to steps on unchecked input (recorded
-        # so, charged as the event: `allow_non_poisson_input`).
-        self._unchecked_input_watched = False
-        self._stopped_by_budget = False
-        self._stopped_at_max_steps = False
 
-    # --- the budget -------------------------------------------------------
-
-    @property
-    def budget(self) -> budget_lib.PrivacyBudget:
-        """The TF-free state this ledger charges (steps, epsilon, file)."""
-        return self._budget
-
-    @property
-    def event(self) -> dp_accounting.DpEvent:
-        """The `DpEvent` of one step of the current run."""
-        return self._budget.event
-
-    delta = _BudgetView('delta', sync=False)
-    target_epsilon = _BudgetView('target_epsilon', sync=False)
-    orders = _BudgetView('orders', sync=False)
-    max_steps = _BudgetView('max_steps', sync=False)
-    state_path = _BudgetView('state_path', sync=False)
-    steps = _BudgetView('steps')  # Resumed steps included.
-    epsilon = _BudgetView('epsilon')  # At `delta`, for every step taken.
-    accountant = _BudgetView('accountant')  # A copy holding every step.
-    dp_event = _BudgetView('dp_event')  # The composed event of every step.
-    epsilon_after = _BudgetView('epsilon_after')  # With k more steps.
-    can_take = _BudgetView('can_take')  # k more within both limits?
-    remaining_steps = _BudgetView('remaining_steps')  # Most within both.
-    get_epsilon_and_optimal_order = _BudgetView(
-        'get_epsilon_and_optimal_order')
-
-    @property
-    def verbose(self) -> int:
-        """0: no messages logged (on stopping, loading, attaching)."""
-        return self._verbose
-
-    @property
-    def stopped_by_budget(self) -> bool:
-        """Whether the last `fit` was stopped to stay within the target."""
-        return self._stopped_by_budget
-
-    @property
-    def stopped_at_max_steps(self) -> bool:
-        """Whether the last `fit` stopped because `max_steps` were taken."""
-        return self._stopped_at_max_steps
-
-    def get_state(self) -> Dict[str, Any]:
-        """The ledger as a JSON-ready dict (`tf_twice.accounting.budget`)."""
-        with self._charge_lock:
-            self._sync(strict=False)
-            return self._budget.get_state()
-
-    def save(self, path: Optional[str] = None) -> None:
-        """Writes the exact state atomically to `path` (or `state_path`)."""
-        with self._charge_lock:
-            self._sync(strict=False)
-            self._budget.save(path)
+    def _model_record(self) -> Tuple[Any, Optional[step_record.Record]]:
+        model = getattr(self, 'model', None)
+        return model, privacy_record.read(model)
 
     def bind_model(self, model: tf.keras.Model) -> None:
         """Takes `model` as this ledger's and checks now, as `fit` does
@@ -302,69 +211,18 @@ class PrivacyLedger(ledger_loops.CustomLoops,
 
     def _sync(self, *, watch: bool = False, in_fit: bool = False,
               strict: bool = True) -> None:
-        """Charges the steps the model's record adds to what this ledger
-        accepted (`step_record.steps_to_charge`), so that no reading of the
-        ledger misses a step that ran.
-
-        The record is accepted (later steps extend it) when it adds steps
-        or when steps start (``watch``: before a `fit` execution, a custom
-        loop's `reserve_steps`), not by a reading before weights are loaded.
-
-        Raises:
-          ValueError: the record names steps this ledger cannot account;
-            in a `fit` (``in_fit``) training is stopped first. A reading
-            (not ``strict``: `steps`, `epsilon`, `get_state`...) logs it
-            instead, so the state can still be read and saved.
-        """
-        model = getattr(self, 'model', None)
-        with self._charge_lock:  # The record read is the one charged.
-            record = privacy_record.read(model)
-            if record is None:
-                return
-            accepted_model, accepted = self._accepted
-            words = step_record.event_words(self._budget.event_key)
-            history = ((step_record.event_words(key), count)
-                       for key, count in self._budget.history())
-            charge = step_record.steps_to_charge(
-                history, accepted if accepted_model is model else None,
-                record, words, watched_words=(
-                    [step_record.UNCHECKED_INPUT]
-                    if self._unchecked_input_watched else []))
-            if charge is None:
-                if in_fit:
-                    model.stop_training = True
-                if strict:
-                    raise ValueError(step_record.refusal(
-                        model.name, record, self._budget.steps))
-                if self._verbose:
-                    _LOGGER.warning('%s This ledger\'s epsilon does not '
-                                    'bound them.', step_record.refusal(
-                        model.name, record, self._budget.steps))
-                return
-            self._charge(charge)
-            self._record_charged += charge
-            if charge or watch:
-                self._accepted = (model, record)
+        """`StepLedger._sync`; a refusal in a `fit` (``in_fit``) stops
+        training before it raises."""
+        try:
+            super()._sync(watch=watch, strict=strict)
+        except ValueError:
+            if in_fit:
+                self.model.stop_training = True
+            raise
 
     def _stop(self, k: int) -> None:
         self.model.stop_training = True
-        budget = self._budget
-        max_steps = budget.max_steps
-        if max_steps is not None and budget.steps + k > max_steps:
-            if self._verbose and not self._stopped_at_max_steps:
-                # The plan's normal end: information, not a warning.
-                _LOGGER.info('PrivacyLedger: stopping training after the '
-                             'planned %d steps (max_steps).', budget.steps)
-            self._stopped_at_max_steps = True
-            return
-        if not self._stopped_by_budget and self._verbose:
-            _LOGGER.warning(
-                'PrivacyLedger: stopping training after %d steps: %d more '
-                'step(s) would raise epsilon from %.4g to %.4g > '
-                'target_epsilon %.4g (delta %g).', budget.steps, k,
-                budget.epsilon, budget.epsilon_after(k),
-                budget.target_epsilon, budget.delta)
-        self._stopped_by_budget = True
+        self._note_stop(k)
 
     def on_train_begin(self, logs=None):
         # Refused before any step runs, so nothing is charged for them.
@@ -386,14 +244,6 @@ class PrivacyLedger(ledger_loops.CustomLoops,
                 'one run: the same seed on the same weights gives the same '
                 'noise, and two releases with the same noise reveal their '
                 'noise-free difference. Leave seed=None for a release.')
-
-    def watch_unchecked_input(self, watch: bool = True) -> None:
-        """Called by `DPModel.fit(allow_non_poisson_input=True)` on input
-        that is not Poisson (and with False when it ends): this fit's
-        steps, recorded as on unchecked input, are charged as the event
-        (its epsilon does not hold for them, as that fit warns); no other
-        ledger accepts them later."""
-        self._unchecked_input_watched = bool(watch)
 
     def _watch_train_function(self) -> None:
         """Reads the record right before and after each execution of this
@@ -433,10 +283,6 @@ class PrivacyLedger(ledger_loops.CustomLoops,
         if not self.can_take(k):
             self._stop(k)
 
-    def _charge(self, steps: int) -> None:
-        if steps > 0:
-            self._budget.charge(steps)
-
     def on_epoch_end(self, epoch, logs=None):
         eps = self.epsilon
         if logs is not None:
@@ -456,6 +302,77 @@ class PrivacyLedger(ledger_loops.CustomLoops,
         if self._writer is not None:
             self._writer.flush()
 
+
+    # --- custom loops (reserve_steps, record_steps: StepLedger) -----------
+
+    def _check_custom_loop(self, watch: bool = False) -> None:
+        """What `fit` checks at its start, for a custom loop's every
+        reserve and record (a recompile may have changed the mechanism):
+        the model runs this ledger's event and its record is accounted."""
+        model = getattr(self, 'model', None)
+        if model is None:
+            return
+        guards.check_ledger_event(self.event, model)
+        super()._check_custom_loop(watch=watch)
+        if (self._verbose and not self._loop_warned
+                and privacy_record.has_record(model)):
+            self._loop_warned = True
+            _LOGGER.warning(
+                'PrivacyLedger: %s runs a custom loop, whose input this '
+                'ledger cannot see: its steps are charged as the event\'s '
+                'Poisson-sampled logical batches, so the epsilon holds only '
+                'if every batch given to train_step is one of '
+                'tf_twice.sampling.poisson_batches(...) for this config (its '
+                'n and rate), used once; iterate ledger.logical_batches('
+                'batches) to have it checked.', model.name)
+
+    def logical_batches(self, batches: Any) -> Iterator[Any]:
+        """A custom loop's steps, as `fit` runs them: yields each logical
+        batch of ``batches`` after reserving its step, and records it after
+        the loop body ran (write-ahead, `reserve_steps`).
+
+            for batch in ledger.logical_batches(poisson_batches(...)):
+                model.train_step(batch)
+
+        ``batches`` must be `tf_twice.sampling.poisson_batches` of the
+        model's config (its n and q1), checked as `fit` checks its input.
+        Stops before a step that would exceed `target_epsilon` or
+        `max_steps`.
+
+        Raises:
+          ValueError: no model (`for_model` or `set_model`) or one without a
+            config or on several replicas (`fit` splits each logical batch
+            over them; this loop cannot), or input not known to be
+            Poisson-sampled for it.
+        """
+        model = getattr(self, 'model', None)
+        config = getattr(model, 'config', None)
+        if config is None:
+            raise ValueError(
+                'logical_batches needs the tf_twice DP model whose steps it '
+                'accounts: build the ledger with PrivacyLedger.for_model('
+                'model, ...) or call ledger.set_model(model) first.')
+        replicas = getattr(getattr(model, 'distribute_strategy', None),
+                           'num_replicas_in_sync', 1)
+        if replicas > 1:
+            raise ValueError(
+                f'logical_batches yields whole logical batches, but '
+                f'{model.name} runs on {replicas} replicas: strategy.run '
+                'would give each replica the whole batch and sum every '
+                'example once per replica. Train with fit, which splits each '
+                'logical batch over the replicas, or split them yourself '
+                '(experimental_distribute_dataset) around reserve_steps and '
+                'record_steps.')
+        guards.check_poisson_input(
+            batches, example_sampling_rate=config.example_sampling_rate,
+            num_examples=config.num_examples)
+        self._loop_warned = True  # Its input is checked.
+        for batch in batches:
+            if not self.can_take(1):
+                return
+            self.reserve_steps(1)
+            yield batch
+            self.record_steps(1)
 
 def _blocked(model: tf.keras.Model) -> Any:
     """A train function that runs no step (`target_epsilon` or
