@@ -107,11 +107,11 @@ def test_twice_sampling_audit_stays_below_the_accountant():
     before = [v.numpy() for v in model.trainable_variables]
 
     result = auditing.audit_one_step(
-        model, _canary(0, 1), num_trials=4000, delta=DELTA,
+        model, _canary(0, 1), num_trials=1000, delta=DELTA,
         background=(background_x, background_y), seed=2)
 
     print(result)
-    assert result.num_trials == 4000
+    assert result.num_trials == 1000
     assert result.confidence == 0.95
     assert 0.5 < result.epsilon_lower_bound < result.accountant_epsilon
     assert not result.refutes_accountant
@@ -138,7 +138,7 @@ def test_hybrid_audit_stays_below_the_accountant():
     assert event.block_dimensions == (1, DIM)
 
     result = auditing.audit_one_step(
-        model, _canary(0, 1, 2), num_trials=4000,
+        model, _canary(0, 1, 2), num_trials=1000,
         delta=DELTA, seed=4)
 
     print(result)

@@ -2,7 +2,7 @@
 
 A separate process, used by ``distribution_test``:
 
-* ``python -m tests.keras.distribution_worker 0,1`` (or ``2``, ``4``):
+* ``python -m tests.keras.distribution_worker 0,1`` (or ``4``):
   MirroredStrategy on R logical CPUs (0: no strategy). Logical devices must
   be configured before TensorFlow initialises its devices, which the test
   process has already done.
@@ -266,6 +266,61 @@ def noise_std_and_ledger(replicas, path):
             'num_values': int(values.size)}
 
 
+# Optimizer clipping, which Keras 3 applies to each replica's update before
+# the sum: it must see the noisy update (replica 0) and zeros.
+CLIPPING = ({}, {'clipnorm': 0.01}, {'global_clipnorm': 0.01})
+
+
+def _ledgered_linear(replicas, clipping):
+    with _strategy(replicas).scope():
+        dp = DPModel(tiny_models.linear(), _config(1.0),
+                     physical_batch_size=2)
+        dp.compile(optimizer=tf.keras.optimizers.SGD(1.0, **clipping),
+                   loss=tf.keras.losses.SparseCategoricalCrossentropy(
+                       from_logits=True))
+    return dp, PrivacyLedger.for_model(dp, delta=1e-5, verbose=0)
+
+
+def optimizer_clipping_updates(replicas):
+    """For each of `CLIPPING`, the update of one ledgered noisy step on a
+    fixed key, or the refusal."""
+    x, y = tiny_models.data(NUM_EXAMPLES, seed=3)
+    results = []
+    for clipping in CLIPPING:
+        dp, ledger = _ledgered_linear(replicas, clipping)
+        tiny_models.fix_next_step_key(dp)
+        before = [v.numpy() for v in dp.trainable_variables]
+        try:
+            dp.fit(sampling.poisson_batches(
+                x, y, physical_batch_size=2, expected_batch_size=6.0,
+                steps=1, seed=7), callbacks=[ledger], verbose=0)
+        except ValueError as error:
+            results.append({'refused': str(error)})
+            continue
+        results.append({'update': np.concatenate(
+            [(v.numpy() - b).ravel()
+             for v, b in zip(dp.trainable_variables, before)]).tolist()})
+    return results
+
+
+def distributed_dataset_refusal(replicas):
+    """The refusal of a dataset the caller distributed itself (each replica
+    would get a batch of its own, not a share of one logical batch), and
+    the steps that ran."""
+    x, y = tiny_models.data(NUM_EXAMPLES, seed=3)
+    dp, ledger = _ledgered_linear(replicas, {})
+    data = _strategy(replicas).experimental_distribute_dataset(
+        sampling.poisson_batches(x, y, physical_batch_size=2,
+                                 expected_batch_size=6.0, steps=1, seed=7))
+    try:
+        dp.fit(data, callbacks=[ledger], verbose=0)
+        message = 'trained'
+    except ValueError as error:
+        message = str(error)
+    return {'message': message,
+            'iterations': int(dp.optimizer.iterations.numpy())}
+
+
 def multi_worker(index, ports):
     """Both paths' noiseless update on this worker, and the refusal of
     datasets that every worker reads whole (each example counted twice)."""
@@ -328,6 +383,11 @@ def main():
     for replicas in sys.argv[1].split(','):
         result[replicas]['basis_refresh'] = basis_refresh_update(
             int(replicas))
+        result[replicas]['clipping'] = optimizer_clipping_updates(
+            int(replicas))
+        if int(replicas) > 1:
+            result[replicas]['distributed_dataset'] = (
+                distributed_dataset_refusal(int(replicas)))
     print('RESULT ' + json.dumps(result))
 
 

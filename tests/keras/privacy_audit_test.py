@@ -13,11 +13,10 @@ if its defence is removed.
    refused (its epsilon would miss the steps in the weights); a step whose
    ``on_train_batch_end`` an exception cut off is charged before the
    ledger is read or saved.
-4. Distribution: under a two-replica MirroredStrategy the optimizer acts on
-   the summed noisy update only (Keras 3 clips each replica's update before
-   the sum, and only replica 0's is not zero), so optimizer clipping gives
-   the single-device update; a dataset distributed by the caller is
-   refused.
+4. Distribution (in ``distribution_test``, whose processes set up the
+   devices): under MirroredStrategy the optimizer acts on the summed noisy
+   update only, so optimizer clipping gives the single-device update; a
+   dataset distributed by the caller is refused.
 5. Callback order and custom loops: a callback before the ledger sees
    every step it can observe charged, in memory and in the file; a custom
    loop reserves its steps in the file before they run; steps of a fit
@@ -28,16 +27,12 @@ if its defence is removed.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests import tiny_models
-from tests.paths import ROOT
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.config import Block, TwiceSamplingConfig
@@ -263,38 +258,6 @@ def test_step_cut_off_by_an_exception_is_charged_before_any_read(tmp_path):
     ledger.save(copy)
     assert _steps_on_disk(copy) == 3
     assert PrivacyLedger.from_state(ledger.get_state()).steps == 3
-
-
-# --- 4. distribution --------------------------------------------------------
-
-
-@pytest.fixture(scope='module')
-def distributed():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-    run = subprocess.run(
-        [sys.executable, '-m', 'tests.keras.privacy_audit_worker'], cwd=ROOT,
-        env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = [l for l in run.stdout.splitlines() if l.startswith('RESULT ')][-1]
-    return json.loads(line[len('RESULT '):])
-
-
-def test_two_replicas_apply_the_single_device_update(distributed):
-    # Also with optimizer clipping, which Keras 3 applies to each replica's
-    # update before the sum: replica 0's is the whole noisy update and the
-    # others' are zeros, so it clips the noisy update (post-processing).
-    # When each replica held a noise-free share it would have clipped
-    # those, and Keras 3 clipping was refused under several replicas.
-    for entry in distributed['clipping']:
-        two, clipping = entry['two_replicas'], entry['clipping']
-        assert 'update' in two, (clipping, two)
-        assert np.abs(entry['single_update']).max() > 1e-3, clipping
-        assert entry['max_difference'] < 1e-6, clipping
-
-
-def test_a_dataset_distributed_by_the_caller_is_refused(distributed):
-    assert 'not recognised as Poisson' in distributed['distributed_dataset']
-    assert distributed['distributed_dataset_iterations'] == 0
 
 
 # --- 5. callback order, custom loops ----------------------------------------
