@@ -63,10 +63,16 @@ def test_event_without_linf_clip_needs_no_linf_argument():
                                                    rel=1e-9)
 
 
+_PER_BLOCK_RATES = dict(
+    coordinate_sampling_rate=[1.0, 0.5], noise_multiplier=[1.0, 2.0],
+    l2_norm_clip=[0.5, 1.0], linf_norm_clip=[None, 0.1])
+
+
 @pytest.mark.parametrize('event', [
     _event(),
     _event(noise_multiplier=[1.0, 2.0], l2_norm_clip=[0.5, 1.0],
            linf_norm_clip=[0.1, None], block_dimensions=[10, 1000]),
+    _event(**_PER_BLOCK_RATES),
 ])
 def test_named_tuple_round_trip(event):
     named = event.to_named_tuple()
@@ -91,6 +97,10 @@ def test_event_lists_become_tuples():
     (dict(noise_multiplier=-1.0), 'noise_multiplier'),
     (dict(noise_multiplier=[1.0, 1.0], l2_norm_clip=[1.0, 1.0, 1.0]),
      'equal lengths'),
+    (dict(coordinate_sampling_rate=[1.0, 0.0], noise_multiplier=[1.0, 1.0]),
+     r'coordinate_sampling_rate\[1\]'),
+    (dict(coordinate_sampling_rate=[1.0, 0.5]),
+     'coordinate_sampling_rate must be one rate for every block or one per'),
 ])
 def test_event_validates(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -110,6 +120,22 @@ def test_composition_is_steps_times_one_step(steps):
         stepwise.compose(event)
     np.testing.assert_allclose(stepwise.rdp, min(steps, 50) * _one_step(event),
                                rtol=1e-12)
+
+
+def test_per_block_rates_compose_and_reduce_to_one_rate():
+    event = _event(**_PER_BLOCK_RATES)
+    assert event.coordinate_sampling_rate == (1.0, 0.5)
+    accountant = TwiceSamplingRdpAccountant().compose(event, 30)
+    np.testing.assert_allclose(accountant.rdp, 30 * _one_step(event),
+                               rtol=1e-12)
+    one_rate = dict(_PER_BLOCK_RATES, coordinate_sampling_rate=0.5)
+    np.testing.assert_allclose(
+        _one_step(_event(**dict(one_rate, coordinate_sampling_rate=[0.5,
+                                                                    0.5]))),
+        _one_step(_event(**one_rate)), rtol=1e-12)
+    # Keeping the first block unmasked adds to the RDP; masking it less
+    # cannot lower it.
+    assert (_one_step(event) > _one_step(_event(**one_rate))).all()
 
 
 def test_epsilon_uses_dp_accountings_conversion():

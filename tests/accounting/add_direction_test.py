@@ -31,16 +31,20 @@ def _add_direction(alpha, q1, q2, sigma, sizes, points, power=None):
     """D_alpha(P || Q) = log E_P[(1 - q1 + q1 prod_l L_l)^(1 - alpha)] /
     (alpha - 1), L_l = 1 - q2 + q2 exp(s_l x_l / sigma^2 - s_l^2 / (2
     sigma^2)), x ~ P: the integrand is at most (1 - q1)^(1 - alpha).
-    ``power=alpha`` gives the remove direction, D_alpha(Q || P)."""
+    ``power=alpha`` gives the remove direction, D_alpha(Q || P). ``q2``
+    and ``sigma`` are one for every coordinate or one per coordinate (per-
+    block rates and noise)."""
     nodes, weights = hermegauss(points)
     weights = weights / weights.sum()
     ratio, weight = 1.0, 1.0
-    for axis, s in enumerate(sizes):
+    q2s = np.broadcast_to(q2, len(sizes))
+    sigmas = np.broadcast_to(sigma, len(sizes))
+    for axis, (s, q2_l, sigma_l) in enumerate(zip(sizes, q2s, sigmas)):
         shape = [1] * len(sizes)
         shape[axis] = points
-        a = s / sigma
+        a = s / sigma_l
         x = nodes.reshape(shape)
-        ratio = ratio * (1 - q2 + q2 * np.exp(a * x - a * a / 2))
+        ratio = ratio * (1 - q2_l + q2_l * np.exp(a * x - a * a / 2))
         weight = weight * weights.reshape(shape)
     power = 1 - alpha if power is None else power
     mean = np.sum(weight * (1 - q1 + q1 * ratio)**power)
@@ -80,5 +84,45 @@ def test_add_direction_stays_below_the_accountant(z, q1):
                                _POINTS[k]) for k in range(d0, 4)]
         # The thin-spread limit: one coordinate shifted by q2 c2, unmasked.
         adds.append(_add_direction(alpha, q1, 1.0, sigma, [q2 * c2], 200))
+        worst = max(worst, max(adds) / remove)
+    assert worst <= 1.0, worst
+
+
+# Per-block rates: a principal block of one coordinate kept always (its
+# whole clip c2_0 on it) and a residual of two coordinates at c_inf, kept
+# at rate q2, each block with its own noise.
+_BLOCKS = dict(l2_norm_clip=[0.6, 1.0], linf_norm_clip=[None, 1 / math.sqrt(2)])
+_SIZES = [0.6, 1 / math.sqrt(2), 1 / math.sqrt(2)]
+
+
+def test_the_integration_gives_the_accountants_per_block_rates():
+    # Given the example is sampled, the blocks' masks are independent: the
+    # inner likelihood ratio is a product over every block's coordinates.
+    for z, q1, q2, alpha in itertools.product([1.0, 2.0], [0.05, 0.5],
+                                              [0.25, 0.5], [2, 8]):
+        got = _add_direction(alpha, q1, [1.0, q2, q2],
+                             [z * 0.6, z, z], _SIZES, 60, power=alpha)
+        want = float(twice_sampling_rdp(
+            [alpha], example_sampling_rate=q1,
+            coordinate_sampling_rate=[1.0, q2], noise_multiplier=z,
+            **_BLOCKS)[0])
+        assert got == pytest.approx(want, rel=1e-6), (z, q1, q2, alpha)
+
+
+@pytest.mark.parametrize('z, q1', itertools.product([1.0, 2.0], [0.05, 0.5]))
+def test_add_direction_stays_below_the_accountant_with_per_block_rates(z, q1):
+    worst = 0.0
+    for q2, alpha in itertools.product([0.25, 0.5], [2, 8, 32]):
+        remove = float(twice_sampling_rdp(
+            [alpha], example_sampling_rate=q1,
+            coordinate_sampling_rate=[1.0, q2], noise_multiplier=z,
+            **_BLOCKS)[0])
+        # The principal block's clip on its coordinate; the residual's on
+        # two coordinates at c_inf (the fewest the clip allows) or spread
+        # thin (the limit: one coordinate shifted by q2 c2, unmasked).
+        adds = [_add_direction(alpha, q1, [1.0, q2, q2], [z * 0.6, z, z],
+                               _SIZES, 60),
+                _add_direction(alpha, q1, [1.0, 1.0], [z * 0.6, z],
+                               [0.6, q2 * 1.0], 120)]
         worst = max(worst, max(adds) / remove)
     assert worst <= 1.0, worst

@@ -19,6 +19,34 @@ from tf_twice import _validate
 
 ScalarOrBlocks = Union[float, Sequence[float]]
 OptionalScalarOrBlocks = Union[None, float, Sequence[Optional[float]]]
+# q2 for every block, or one rate per block: checked, a float or a tuple.
+CoordinateRates = Union[float, Tuple[float, ...]]
+
+
+def check_coordinate_rates(
+        value: Union[float, Sequence[float]],
+        name: str = 'coordinate_sampling_rate') -> CoordinateRates:
+    """q2 in (0, 1] for every block, or a sequence of one q2_j per block
+    (returned as a tuple); `per_block_rates` matches it to the blocks."""
+    if hasattr(value, 'tolist'):  # numpy arrays and scalars.
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return _validate.rate(name, value)
+    return tuple(_validate.rate(f'{name}[{j}]', q)
+                 for j, q in enumerate(_as_tuple(name, value)))
+
+
+def per_block_rates(rates: CoordinateRates, size: int,
+                    name: str = 'coordinate_sampling_rate'
+                    ) -> Tuple[float, ...]:
+    """Checked `rates` as one rate per block of `size` blocks."""
+    if not isinstance(rates, tuple):
+        return (rates,) * size
+    if len(rates) != size:
+        raise ValueError(
+            f'{name} must be one rate for every block or one per block '
+            f'({size}); got {len(rates)} rates.')
+    return rates
 
 
 def _as_tuple(name: str, value, allow_none: bool = False) -> Tuple:

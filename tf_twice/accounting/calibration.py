@@ -43,7 +43,8 @@ class EpsilonOfBlocks:
 
     def __init__(self, *, steps: int, delta: float,
                  example_sampling_rate: float,
-                 coordinate_sampling_rate: float, orders: np.ndarray,
+                 coordinate_sampling_rate: blocks_lib.CoordinateRates,
+                 orders: np.ndarray,
                  conversion: conversion_lib.Conversion):
         """All arguments already validated."""
         self._steps = steps
@@ -115,7 +116,8 @@ class EpsilonOfBlocks:
 
 def checked_epsilon_function(
         *, steps: int, delta: float, example_sampling_rate: float,
-        coordinate_sampling_rate: float, orders: Optional[Sequence[float]],
+        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
+        orders: Optional[Sequence[float]],
         conversion: conversion_lib.ConversionLike) -> EpsilonOfBlocks:
     """Validates the setting shared by every block configuration."""
     return EpsilonOfBlocks(
@@ -123,8 +125,8 @@ def checked_epsilon_function(
         delta=_validate.probability('delta', delta),
         example_sampling_rate=_validate.rate('example_sampling_rate',
                                              example_sampling_rate),
-        coordinate_sampling_rate=_validate.rate(
-            'coordinate_sampling_rate', coordinate_sampling_rate),
+        coordinate_sampling_rate=blocks_lib.check_coordinate_rates(
+            coordinate_sampling_rate),
         orders=rdp_lib.check_orders(DEFAULT_ORDERS if orders is None
                                     else orders),
         conversion=conversion_lib.as_conversion(conversion))
@@ -135,7 +137,7 @@ def epsilon_and_optimal_order_after_steps(
         steps: int,
         delta: float,
         example_sampling_rate: float,
-        coordinate_sampling_rate: float,
+        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
         noise_multiplier: blocks_lib.ScalarOrBlocks,
         l2_norm_clip: blocks_lib.ScalarOrBlocks = 1.0,
         linf_norm_clip: blocks_lib.OptionalScalarOrBlocks = None,
@@ -164,7 +166,7 @@ def epsilon_after_steps(
         steps: int,
         delta: float,
         example_sampling_rate: float,
-        coordinate_sampling_rate: float,
+        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
         noise_multiplier: blocks_lib.ScalarOrBlocks,
         l2_norm_clip: blocks_lib.ScalarOrBlocks = 1.0,
         linf_norm_clip: blocks_lib.OptionalScalarOrBlocks = None,
@@ -354,7 +356,7 @@ def calibrate_noise_multiplier(
         delta: float,
         steps: int,
         example_sampling_rate: float,
-        coordinate_sampling_rate: float,
+        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
         l2_norm_clip: blocks_lib.ScalarOrBlocks = 1.0,
         linf_norm_clip: blocks_lib.OptionalScalarOrBlocks = None,
         block_dimensions: Optional[Union[int, Sequence[int]]] = None,

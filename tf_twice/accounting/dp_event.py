@@ -27,7 +27,8 @@ class TwiceSampledGaussianDpEvent(dp_accounting.DpEvent):
 
     Examples are Poisson-sampled with rate `example_sampling_rate` (q1); each
     coordinate of each sampled example's clipped contribution is kept with
-    probability `coordinate_sampling_rate` (q2); block j is clipped to
+    probability `coordinate_sampling_rate` (q2, or q2_j in block j: a float
+    or one per block); block j is clipped to
     l2 <= l2_norm_clip[j] and then |coordinate| <= linf_norm_clip[j], and the
     sum gets N(0, (noise_multiplier[j] * l2_norm_clip[j])^2) on every
     coordinate of block j. Per-block fields are floats (one block) or
@@ -42,7 +43,7 @@ class TwiceSampledGaussianDpEvent(dp_accounting.DpEvent):
     adjacency.
     """
     example_sampling_rate: float
-    coordinate_sampling_rate: float
+    coordinate_sampling_rate: _Blocks = attr.ib(converter=_scalar_or_tuple)
     noise_multiplier: _Blocks = attr.ib(converter=_scalar_or_tuple)
     l2_norm_clip: _Blocks = attr.ib(converter=_scalar_or_tuple)
     linf_norm_clip: Optional[_Blocks] = attr.ib(default=None,
@@ -52,9 +53,9 @@ class TwiceSampledGaussianDpEvent(dp_accounting.DpEvent):
 
     def __attrs_post_init__(self):
         _validate.rate('example_sampling_rate', self.example_sampling_rate)
-        _validate.rate('coordinate_sampling_rate',
-                       self.coordinate_sampling_rate)
-        self.blocks()
+        blocks_lib.per_block_rates(
+            blocks_lib.check_coordinate_rates(self.coordinate_sampling_rate),
+            self.blocks().size)
 
     def blocks(self) -> blocks_lib.Blocks:
         """The validated per-block parameters."""

@@ -57,7 +57,7 @@ def optimize_block_noise(
         delta: float,
         steps: int,
         example_sampling_rate: float,
-        coordinate_sampling_rate: float,
+        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
         l2_norm_clips: Sequence[float],
         linf_norm_clips: Sequence[Optional[float]],
         ranks: Sequence[int],

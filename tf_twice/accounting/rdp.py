@@ -15,6 +15,12 @@ Amplification from Twice Sampling".
   c'_j ([COORD] and the remark after it), so with L(v) = (v-1) eps0(v),
       L(v) = sum_j [ n_j log M(v, c_inf_j^2/(2 sigma_j^2))
                      + log M(v, c'_j^2/(2 sigma_j^2)) ].
+* Per-block rates: block j's coordinates may be kept with a rate q2_j of
+  their own (1 on unmasked principal blocks); its coordinates' M then use
+  q2_j. Given that the example is sampled, every coordinate's mask is
+  independent of the others', so the likelihood ratio of the inner mixture
+  is still a product over coordinates and the expansion below is unchanged
+  (exact, not a bound); with every q2_j = q2 it is the single-rate formula.
 * Twice sampling ([TWICE]), integer alpha >= 2:
       eps(alpha) = log( sum_{v=0..alpha} C(alpha,v) (1-q1)^(alpha-v) q1^v
                         exp(L(v)) ) / (alpha - 1).
@@ -203,16 +209,29 @@ def check_orders(orders: Union[float, Sequence[float]]) -> np.ndarray:
 
 
 def log_moments_of_coordinate_sampling(
-        max_order: int, coordinate_sampling_rate: float,
+        max_order: int, coordinate_sampling_rate: blocks_lib.CoordinateRates,
         blocks: blocks_lib.Blocks) -> np.ndarray:
     """L(v) = (v-1) eps0(v) for v = 0..max_order ([COORD], all blocks).
 
-    L(0) = L(1) = 0: M(0, a) = M(1, a) = 1. All blocks' exponents are
-    evaluated in one batch.
+    L(0) = L(1) = 0: M(0, a) = M(1, a) = 1. The exponents of all blocks
+    with one rate are evaluated in one batch.
     """
-    _, counts, exponents = _all_coordinate_exponents(blocks)
-    return counts @ _log_coordinate_moments(
-        max_order, coordinate_sampling_rate, exponents)
+    block_of, counts, exponents = _all_coordinate_exponents(blocks)
+    log_moments = np.zeros(max_order + 1)
+    for rate, at in _coordinates_by_rate(coordinate_sampling_rate, blocks,
+                                         block_of):
+        log_moments += counts[at] @ _log_coordinate_moments(
+            max_order, rate, exponents[at])
+    return log_moments
+
+
+def _coordinates_by_rate(coordinate_sampling_rate: blocks_lib.CoordinateRates,
+                         blocks: blocks_lib.Blocks, block_of: np.ndarray):
+    """(rate, mask over the worst-case coordinates) for each distinct rate
+    of the coordinates' blocks."""
+    rates = np.array(blocks_lib.per_block_rates(coordinate_sampling_rate,
+                                                blocks.size))[block_of]
+    return [(float(rate), rates == rate) for rate in np.unique(rates)]
 
 
 def _all_coordinate_exponents(
@@ -270,9 +289,10 @@ def _overflows(max_order: int, counts: np.ndarray,
 
 
 def rdp_of_blocks(orders: np.ndarray, example_sampling_rate: float,
-                  coordinate_sampling_rate: float,
+                  coordinate_sampling_rate: blocks_lib.CoordinateRates,
                   blocks: blocks_lib.Blocks) -> np.ndarray:
-    """One-step RDP at `orders` (already checked) for validated blocks."""
+    """One-step RDP at `orders` (already checked) for validated blocks and
+    rates (`blocks_lib.check_coordinate_rates`)."""
     integer_orders = integer_order_ceilings(orders)
     unique_orders, positions = np.unique(integer_orders, return_inverse=True)
     max_order = int(unique_orders[-1])
@@ -310,7 +330,7 @@ def twice_sampling_rdp(
         orders: Union[float, Sequence[float]],
         *,
         example_sampling_rate: float,
-        coordinate_sampling_rate: float,
+        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
         noise_multiplier: blocks_lib.ScalarOrBlocks,
         l2_norm_clip: blocks_lib.ScalarOrBlocks = 1.0,
         linf_norm_clip: blocks_lib.OptionalScalarOrBlocks,
@@ -320,7 +340,8 @@ def twice_sampling_rdp(
 
     Guarantee: the step (Poisson-sample examples at rate q1, clip each block
     of each sampled example to l2 <= c2_j then every coordinate to
-    |.| <= c_inf_j, keep each coordinate with probability q2, sum, add
+    |.| <= c_inf_j, keep each coordinate of block j with probability q2_j,
+    sum, add
     N(0, (z_j c2_j)^2) to every coordinate of block j) satisfies
     (alpha, eps(alpha))-RDP under add-or-remove-one adjacency for every
     returned eps(alpha). Exact for integer orders; a fractional order gets the
@@ -329,7 +350,8 @@ def twice_sampling_rdp(
     Args:
       orders: RDP order(s) in (1, MAX_ORDER].
       example_sampling_rate: q1 in (0, 1], the Poisson rate of examples.
-      coordinate_sampling_rate: q2 in (0, 1], the per-coordinate keep rate.
+      coordinate_sampling_rate: q2 in (0, 1], the per-coordinate keep
+        rate, for every block or one per block.
       noise_multiplier: z_j > 0, scalar (one block) or one per block.
       l2_norm_clip: c2_j > 0, scalar or one per block.
       linf_norm_clip: c_inf_j > 0 (None: no l-infinity clipping), scalar or
@@ -343,10 +365,10 @@ def twice_sampling_rdp(
     """
     orders_array = check_orders(orders)
     q1 = _validate.rate('example_sampling_rate', example_sampling_rate)
-    q2 = _validate.rate('coordinate_sampling_rate',
-                        coordinate_sampling_rate)
+    q2 = blocks_lib.check_coordinate_rates(coordinate_sampling_rate)
     blocks = blocks_lib.Blocks.from_arguments(
         noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions)
+    blocks_lib.per_block_rates(q2, blocks.size)
     return rdp_of_blocks(orders_array, q1, q2, blocks)
 
 
@@ -382,7 +404,7 @@ def _log_coordinate_moment_slopes(max_order: int, rate: float,
 
 
 def rdp_and_noise_gradient(order: int, example_sampling_rate: float,
-                           coordinate_sampling_rate: float,
+                           coordinate_sampling_rate: blocks_lib.CoordinateRates,
                            blocks: blocks_lib.Blocks
                            ) -> Tuple[float, np.ndarray]:
     """eps(alpha) at one integer order and d eps(alpha) / d log z_j.
@@ -404,9 +426,12 @@ def rdp_and_noise_gradient(order: int, example_sampling_rate: float,
         np.array([order]), example_sampling_rate, log_moments)[0])
     # dL(v) / d log z_j, one column per block: -2 count a D(v, a) summed
     # over the block's coordinates.
-    weighted = (-2.0 * counts * exponents)[:, None] * (
-        _log_coordinate_moment_slopes(order, coordinate_sampling_rate,
-                                      exponents))
+    moment_slopes = np.empty((exponents.size, order + 1))
+    for rate, at in _coordinates_by_rate(coordinate_sampling_rate, blocks,
+                                         block_of):
+        moment_slopes[at] = _log_coordinate_moment_slopes(order, rate,
+                                                          exponents[at])
+    weighted = (-2.0 * counts * exponents)[:, None] * moment_slopes
     slopes = np.zeros((blocks.size, order + 1))
     np.add.at(slopes, block_of, weighted)
     if example_sampling_rate == 1.0:
