@@ -23,6 +23,7 @@ EVENT = dp_accounting.PoissonSampledDpEvent(
 OTHER = dp_accounting.PoissonSampledDpEvent(
     0.01, dp_accounting.GaussianDpEvent(3.0))
 WORDS = sr.event_words(ledger_state.event_key(EVENT))
+OTHER_WORDS = sr.event_words(ledger_state.event_key(OTHER))
 
 
 class _Weights:
@@ -143,3 +144,87 @@ def test_a_stop_says_whether_the_plan_ended_or_the_target_was_reached():
     capped = _Ledger(_Weights(), target_epsilon=0.01)
     capped._note_stop(1)
     assert capped.stopped_by_budget and not capped.stopped_at_max_steps
+
+
+def _resumed(history_ledger_event, steps, weights):
+    """A _Ledger of EVENT on `weights` whose history starts with `steps`
+    steps of `history_ledger_event`."""
+    first = _Ledger(None)
+    first._budget = budget_lib.PrivacyBudget(history_ledger_event, 1e-5)
+    first._budget.charge(steps)
+    ledger = _Ledger(weights)
+    ledger._setup(budget_lib.PrivacyBudget.from_state(
+        first.get_state(), event=EVENT), verbose=0)
+    return ledger
+
+
+def test_record_steps_charges_steps_the_record_shows_but_no_reading_charged():
+    # Weights replaced mid-loop by a checkpoint the history covers: the
+    # record advanced 3 steps, none charged; the loop's 1 step still is.
+    weights = _Weights()
+    ledger = _resumed(OTHER, 3, weights)
+    ledger.reserve_steps(1)
+    weights.record = sr.extend(sr.EMPTY, OTHER_WORDS, 3)  # covered
+    ledger.record_steps(1)
+    assert ledger.steps == 4
+
+
+def test_steps_seen_before_reserve_do_not_count_towards_the_loops():
+    weights = _Weights()
+    ledger = _Ledger(weights)
+    weights.run(2)  # Ran unseen before the loop: charged at reserve.
+    ledger.reserve_steps(1)
+    assert ledger.budget.steps == 2
+    ledger.record_steps(1)  # The record shows none of the loop's step.
+    assert ledger.steps == 3
+
+
+def test_reserve_steps_watches_a_rolled_back_record():
+    weights = _Weights()
+    ledger = _Ledger(weights)
+    ledger.reserve_steps(5)
+    weights.run(5)
+    ledger.record_steps(5)
+    weights.record = sr.extend(sr.EMPTY, WORDS, 3)  # Reloaded.
+    ledger.reserve_steps(1)
+    weights.run(1)
+    assert ledger.steps == 6  # A reading mid-loop sees the step.
+
+
+def test_unchecked_steps_are_refused_once_the_watch_ends():
+    weights = _Weights()
+    ledger = _Ledger(weights)
+    ledger.watch_unchecked_input(True)
+    ledger._sync(watch=True)
+    weights.run(1, sr.UNCHECKED_INPUT)
+    assert ledger.steps == 1
+    ledger.watch_unchecked_input(False)
+    weights.run(1, sr.UNCHECKED_INPUT)
+    with pytest.raises(ValueError, match='cannot account'):
+        ledger._sync()
+
+
+def test_unchecked_steps_of_other_weights_are_refused():
+    weights, other = _Weights(), _Weights()
+    ledger = _Ledger(weights)
+    ledger.watch_unchecked_input(True)
+    ledger._sync(watch=True)  # Watching `weights`, not `other`.
+    other.run(1, sr.UNCHECKED_INPUT)
+    ledger.model = other
+    with pytest.raises(ValueError, match='cannot account'):
+        ledger._sync()
+
+
+def test_a_target_stop_at_exactly_max_steps_is_the_targets():
+    ledger = _Ledger(_Weights(), max_steps=3, target_epsilon=0.01)
+    ledger._note_stop(3)  # steps + k == max_steps: the target stops it.
+    assert ledger.stopped_by_budget and not ledger.stopped_at_max_steps
+
+
+def test_messages_go_to_the_keras_ledgers_logger(caplog):
+    weights = _Weights()
+    ledger = _Ledger(weights, verbose=1)
+    weights.run(1, sr.UNCHECKED_INPUT)
+    with caplog.at_level(logging.WARNING):
+        assert ledger.steps == 0  # Refused: logged, not charged.
+    assert [r.name for r in caplog.records] == ['tf_twice.keras.ledger']

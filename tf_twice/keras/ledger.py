@@ -302,7 +302,6 @@ class PrivacyLedger(step_ledger.StepLedger, tf.keras.callbacks.Callback):
         if self._writer is not None:
             self._writer.flush()
 
-
     # --- custom loops (reserve_steps, record_steps: StepLedger) -----------
 
     def _check_custom_loop(self, watch: bool = False) -> None:
@@ -373,6 +372,7 @@ class PrivacyLedger(step_ledger.StepLedger, tf.keras.callbacks.Callback):
             self.reserve_steps(1)
             yield batch
             self.record_steps(1)
+
 
 def _blocked(model: tf.keras.Model) -> Any:
     """A train function that runs no step (`target_epsilon` or
