@@ -6,6 +6,7 @@ import subprocess
 import sys
 import warnings
 
+import attr
 import dp_accounting
 import pytest
 
@@ -192,3 +193,41 @@ def test_swapped_clips_and_a_large_delta_are_warned_once():
         config.calibrate(target_epsilon=2.0, delta=3e-4, steps=5)
         _single(l2_norm_clip=1.0, linf_norm_clip=1.0)  # Equal: no warning.
         _single().calibrate(target_epsilon=2.0, delta=1 / (2 * N), steps=5)
+
+
+def _hybrid(principal_rate, **overrides):
+    kwargs = dict(num_examples=N, expected_batch_size=256,
+                  coordinate_sampling_rate=0.5,
+                  blocks=(Block(l2_norm_clip=0.5, noise_multiplier=1.0,
+                                dimension=8,
+                                coordinate_sampling_rate=principal_rate),
+                          Block(l2_norm_clip=1.0, noise_multiplier=1.2,
+                                linf_norm_clip=0.1, dimension=1000)))
+    kwargs.update(overrides)
+    return TwiceSamplingConfig(**kwargs)
+
+
+def test_a_block_may_keep_its_coordinates_at_a_rate_of_its_own():
+    config = _hybrid(1.0)
+    assert config.coordinate_sampling_rates == (1.0, 0.5)
+    assert config.effective_coordinate_sampling_rates == (1.0, 0.5)
+    assert config.dp_event().coordinate_sampling_rate == (1.0, 0.5)
+    # Blocks that share one rate keep the one-rate event (and its key).
+    assert _hybrid(None).dp_event() == _hybrid(0.5).dp_event()
+    assert _hybrid(None).dp_event().coordinate_sampling_rate == 0.5
+    assert config.epsilon(100, 1e-5) > _hybrid(None).epsilon(100, 1e-5)
+    calibrated = _hybrid(1.0, blocks=tuple(
+        attr.evolve(b, noise_multiplier=None) for b in config.blocks)
+                         ).calibrate(target_epsilon=3, delta=1e-5, steps=100)
+    assert calibrated.epsilon(100, 1e-5) <= 3
+    with pytest.raises(ValueError, match='coordinate_sampling_rate'):
+        Block(l2_norm_clip=1.0, coordinate_sampling_rate=1.5)
+
+
+def test_a_block_rate_round_trips_and_a_block_without_one_is_written_as_before():
+    config = _hybrid(1.0)
+    data = config.to_dict()
+    assert data['blocks'][0]['coordinate_sampling_rate'] == 1.0
+    assert 'coordinate_sampling_rate' not in data['blocks'][1]
+    assert TwiceSamplingConfig.from_dict(json.loads(json.dumps(data))) == (
+        config)

@@ -119,6 +119,11 @@ class Block:
         clip, or None (no l-infinity clip). A value >= c2 has no effect.
       dimension: the block's number of coordinates (a hybrid basis's rank,
         or the residual's d), or None; it can only tighten the accounting.
+      coordinate_sampling_rate: q2_j, the keep rate of this block's
+        coordinates (1: unmasked, e.g. a principal block of hybrid
+        clipping), or None for the config's ``coordinate_sampling_rate``.
+        A rate per block departs from the paper's algorithm, whose masks
+        share one rate; the accountant is exact for it (``rdp``).
     """
     l2_norm_clip: float = attr.ib(
         converter=lambda v: _validate.l2_clip('l2_norm_clip', v))
@@ -132,6 +137,9 @@ class Block:
         default=None,
         converter=lambda v: None if v is None else _validate.integer(
             'dimension', v, 1))
+    coordinate_sampling_rate: Optional[float] = attr.ib(
+        default=None, converter=lambda v: None if v is None else (
+            check_coordinate_sampling_rate(v)))
 
     def __attrs_post_init__(self):
         if (self.linf_norm_clip is not None
@@ -176,8 +184,8 @@ class TwiceSamplingConfig:
       expected_batch_size: n * q1 in (0, n]; examples are Poisson-sampled
         with rate q1 = expected_batch_size / n, and the update is divided by
         expected_batch_size * q2, never by the realised batch size.
-      coordinate_sampling_rate: q2 in (0, 1] (at least 2**-16), shared by
-        all blocks; 1 is standard DP-SGD.
+      coordinate_sampling_rate: q2 in (0, 1] (at least 2**-16), the rate
+        of every block that does not set its own; 1 is standard DP-SGD.
       blocks: one ``Block`` (standard or twice-sampled DP-SGD) or several
         (hybrid clipping: the principal blocks of a basis learned from
         public data, then the residual).
@@ -237,14 +245,37 @@ class TwiceSamplingConfig:
 
     @property
     def effective_coordinate_sampling_rate(self) -> float:
-        """The keep rate the masks realise (``effective_...`` above)."""
+        """The keep rate the masks realise for the config's own rate
+        (``effective_...`` above)."""
         return effective_coordinate_sampling_rate(
             self.coordinate_sampling_rate)
 
     @property
     def mask_bits(self) -> int:
-        """Random bits per mask entry (``mask_bits_per_coordinate``)."""
+        """Random bits per mask entry at the config's own rate
+        (``mask_bits_per_coordinate``)."""
         return mask_bits_per_coordinate(self.coordinate_sampling_rate)
+
+    @property
+    def coordinate_sampling_rates(self) -> Tuple[float, ...]:
+        """q2_j of every block: its own, else the config's."""
+        return tuple(self.coordinate_sampling_rate
+                     if b.coordinate_sampling_rate is None
+                     else b.coordinate_sampling_rate for b in self.blocks)
+
+    @property
+    def effective_coordinate_sampling_rates(self) -> Tuple[float, ...]:
+        """The keep rates the masks realise, per block (``effective_...``
+        above): the update of block j is divided by n q1 times its own."""
+        return tuple(effective_coordinate_sampling_rate(q2)
+                     for q2 in self.coordinate_sampling_rates)
+
+    def _rates_field(self):
+        """The accountant's ``coordinate_sampling_rate``: one rate when the
+        blocks share it (so the events of one-rate configs stay as they
+        were), else one per block."""
+        rates = self.coordinate_sampling_rates
+        return rates[0] if len(set(rates)) == 1 else rates
 
     @property
     def num_blocks(self) -> int:
@@ -297,7 +328,7 @@ class TwiceSamplingConfig:
         dims = self.dimensions
         return accounting.TwiceSampledGaussianDpEvent(
             example_sampling_rate=self.example_sampling_rate,
-            coordinate_sampling_rate=self.coordinate_sampling_rate,
+            coordinate_sampling_rate=self._rates_field(),
             noise_multiplier=field(self.noise_multipliers),
             l2_norm_clip=field(self.l2_norm_clips),
             linf_norm_clip=field(self.linf_norm_clips),
@@ -357,7 +388,7 @@ class TwiceSamplingConfig:
         z = accounting.calibrate_noise_multiplier(
             target_epsilon=target_epsilon, delta=delta, steps=steps,
             example_sampling_rate=self.example_sampling_rate,
-            coordinate_sampling_rate=self.coordinate_sampling_rate,
+            coordinate_sampling_rate=self._rates_field(),
             l2_norm_clip=self.l2_norm_clips,
             linf_norm_clip=self.linf_norm_clips,
             block_dimensions=dims, orders=orders, conversion=conversion,
@@ -407,7 +438,10 @@ class TwiceSamplingConfig:
                 'expected_batch_size': self.expected_batch_size,
                 'coordinate_sampling_rate': self.coordinate_sampling_rate,
                 'non_private': self.non_private,
-                'blocks': [attr.asdict(b) for b in self.blocks]}
+                # A block without a rate of its own is written as before.
+                'blocks': [{k: v for k, v in attr.asdict(b).items()
+                            if v is not None or k != 'coordinate_sampling_rate'}
+                           for b in self.blocks]}
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> 'TwiceSamplingConfig':

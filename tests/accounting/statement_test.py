@@ -334,3 +334,31 @@ def test_plain_dp_sgd_is_named_so_without_twice_samplings_terms():
         60000, 256, 3, 1.1, 1e-5, 0.5, 1.0, 0.1)
     assert twice.startswith('Twice-sampled DP-SGD')
     assert 'q2 = 0.5' in twice and 'd0 = 100' in twice
+
+
+def test_a_statement_with_per_block_rates_lists_them_and_scales_the_comparison():
+    args = (60_000, 256, 5, [1.0, 1.1], 1e-5)
+    kwargs = dict(l2_norm_clip=[0.5, 1.0], linf_norm_clip=[None, 0.05],
+                  block_dimensions=[8, 10_000])
+    text = compute_twice_sampling_privacy_statement(*args, [1.0, 0.5],
+                                                    **kwargs)
+    eps = epsilon_after_steps(
+        steps=math.ceil(5 * 60_000 / 256), delta=1e-5,
+        example_sampling_rate=256 / 60_000,
+        coordinate_sampling_rate=[1.0, 0.5], noise_multiplier=[1.0, 1.1],
+        **kwargs)
+    assert f'Epsilon with twice sampling:{eps:>37.3f}' in text
+    assert 'q2 = (1, 0.5)' in text and re.search(r'coordinates +q2\n', text)
+    assert '(q2 / q2_j)^2' in text
+    # The comparison's hybrid variance: block j's over (q2_j / max q2)^2.
+    got = statement.hybrid_noise_variance_ratio(
+        noise_multipliers=[1.0, 1.1], l2_norm_clips=[0.5, 1.0],
+        block_dimensions=[8, 10_000], target_epsilon=eps, delta=1e-5,
+        steps=1172, example_sampling_rate=256 / 60_000,
+        coordinate_sampling_rate=[1.0, 0.5])
+    assert got.hybrid_variance == pytest.approx(
+        8 * 0.5**2 + 10_000 * (1.1 * 2)**2)
+    # Equal rates give the one-rate statement, the rates written as given.
+    assert compute_twice_sampling_privacy_statement(
+        *args, [0.5, 0.5], **kwargs) == compute_twice_sampling_privacy_statement(
+            *args, 0.5, **kwargs).replace('q2 = 0.5', 'q2 = (0.5, 0.5)')

@@ -386,3 +386,42 @@ def test_noise_objective_refusals(basis_and_public):
             basis, (0.5, 0.3, 0.2), example_sampling_rate=0.05,
             coordinate_sampling_rate=0.5, variance_weights=(1.0, 1.0),
             **BUDGET)
+
+
+def test_unmasked_principal_blocks_are_planned_with_their_update_noise(
+        basis_and_public):
+    # principal_coordinate_sampling_rate=1: the principal blocks keep every
+    # coefficient, the residual q2 = 1/2. Block j's update noise is
+    # z_j c2_j / (B q2_j): the noise is optimised for that variance, and the
+    # budget is met by the per-block accountant.
+    basis, public = basis_and_public
+    config = _one_block(linf_norm_clip=0.05)
+    masked = budgets.plan_blocks(config, basis, public, **BUDGET)
+    unmasked = budgets.plan_blocks(
+        config, basis, public, principal_coordinate_sampling_rate=1.0,
+        **BUDGET)
+    assert unmasked.coordinate_sampling_rates == (1.0, 1.0, 0.5)
+    assert unmasked.dp_event().coordinate_sampling_rate == (1.0, 1.0, 0.5)
+    eps = unmasked.epsilon(BUDGET['steps'], BUDGET['delta'])
+    assert 0.95 * BUDGET['target_epsilon'] <= eps <= BUDGET['target_epsilon']
+    rates = np.array(unmasked.coordinate_sampling_rates)
+    dims = np.array(basis.block_dimensions)
+
+    def update_variance(planned):
+        return np.sum(dims * (_noise_stds(planned) / rates)**2)
+
+    # The plan is the better one for the update it makes: the same clips
+    # with the noise planned for the noise's own variance, each block's
+    # divisor B q2_j ignored, give the update more variance at the same
+    # epsilon.
+    raw_variance = unmasked.with_noise_multipliers(
+        budgets.hybrid_noise_multipliers(
+            basis, unmasked.l2_norm_clips, unmasked.linf_norm_clips,
+            example_sampling_rate=config.example_sampling_rate,
+            coordinate_sampling_rate=(1.0, 1.0, 0.5),
+            variance_weights=dims * 1.0, **BUDGET))
+    assert update_variance(unmasked) < update_variance(raw_variance)
+    assert masked.coordinate_sampling_rates == (0.5, 0.5, 0.5)
+    with pytest.raises(ValueError, match='coordinate_sampling_rate'):
+        budgets.plan_blocks(config, basis, public,
+                            principal_coordinate_sampling_rate=0.0, **BUDGET)

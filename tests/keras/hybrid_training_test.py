@@ -4,6 +4,8 @@ and its event, and the noise it saves at equal epsilon."""
 import json
 import re
 
+import attr
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -40,28 +42,52 @@ from tf_twice.mechanism import hybrid
 # --- the two training paths -------------------------------------------------
 
 
-def _fast(basis, physical_batch_size=8, model=None):
-    dp = DPModel(model or _mlp(), HYBRID, basis=basis,
+def _fast(basis, physical_batch_size=8, model=None, config=HYBRID):
+    dp = DPModel(model or _mlp(), config, basis=basis,
                  physical_batch_size=physical_batch_size, seed=SEED)
     dp.compile(optimizer=tf.keras.optimizers.SGD(0.3), loss=_loss())
     return dp
 
 
-def _optimizer_path(basis, physical_batch_size=4, seed=SEED):
+def _optimizer_path(basis, physical_batch_size=4, seed=SEED, config=HYBRID):
     dp = DPModel(_mlp(), physical_batch_size=physical_batch_size)
     dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        HYBRID, learning_rate=0.3, basis=basis, seed=seed), loss=_loss())
+        config, learning_rate=0.3, basis=basis, seed=seed), loss=_loss())
     return dp
 
 
+def test_unmasked_principal_blocks_train_and_are_accounted_per_block():
+    basis = _basis()
+    dp = _fast(basis, 3, config=UNMASKED_PRINCIPAL)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    x, y = _data(NUM_EXAMPLES, seed=2)
+    dp.fit(sampling.poisson_batches(x, y, expected_batch_size=6.0,
+                                    physical_batch_size=3, steps=3, seed=1),
+           callbacks=[ledger], verbose=0)
+    assert ledger.event.coordinate_sampling_rate == (1.0, 1.0, 0.5)
+    assert ledger.steps == 3
+    dims = basis.block_dimensions  # DPModel sets them from the basis.
+    assert ledger.epsilon == pytest.approx(UNMASKED_PRINCIPAL.with_dimensions(
+        dims).epsilon(3, DELTA), rel=1e-9)
+    assert ledger.epsilon > HYBRID.with_dimensions(dims).epsilon(3, DELTA)
+
+
+# Unmasked principal blocks, the residual at the config's q2 = 1/2.
+UNMASKED_PRINCIPAL = attr.evolve(HYBRID, blocks=tuple(
+    attr.evolve(b, coordinate_sampling_rate=q2)
+    for b, q2 in zip(HYBRID.blocks, (1.0, 1.0, None))))
+
+
 @markers.needs_tf_privacy_optimizers
-@pytest.mark.parametrize('physical_batch_size', [8, 3])
-def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size):
+@pytest.mark.parametrize('physical_batch_size, config', [
+    (8, HYBRID), (3, HYBRID), (3, UNMASKED_PRINCIPAL)])
+def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size,
+                                                      config):
     basis = _basis()
     x, y = _data(8, seed=2)
-    reference = _optimizer_path(basis, physical_batch_size)
+    reference = _optimizer_path(basis, physical_batch_size, config=config)
     tiny_models.one_step(reference, x, y)
-    dp = _fast(basis, physical_batch_size)
+    dp = _fast(basis, physical_batch_size, config=config)
     tiny_models.one_step(dp, x, y)
     assert not np.allclose(_weights(dp)[0], _weights(_mlp())[0])
     _assert_all_close(_weights(dp), _weights(reference))

@@ -756,3 +756,35 @@ def test_q2_arithmetic_is_the_configs():
 
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))
+
+
+def test_each_block_is_masked_and_normalised_at_its_own_rate():
+    # Block 0 unmasked (q2_0 = 1), block 1 at q2_1 = 1/4: each gets the
+    # numbers the one-rate aggregation gives it for the same key (its own
+    # streams), and its sum is divided by B_exp q2_j.
+    grads = _grads(7, seed=3)
+    blocks = [grads[:1], grads[1:]]
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(4))
+    kwargs = dict(l2_norm_clips=[0.5, 1.0], linf_norm_clips=[None, 0.2],
+                  key=key)
+    got = agg.clipped_masked_block_sums(
+        blocks, coordinate_sampling_rate=[1.0, 0.25], **kwargs)
+    for j, rate in enumerate([1.0, 0.25]):
+        want = agg.clipped_masked_block_sums(
+            blocks, coordinate_sampling_rate=rate, **kwargs)[j]
+        for g, w in zip(got[j], want):
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+    unmasked = agg.clipped_masked_block_sums(
+        blocks, coordinate_sampling_rate=1.0, **kwargs)
+    assert not np.array_equal(got[1][0].numpy(), unmasked[1][0].numpy())
+    update = agg.add_block_noise_and_normalize(
+        got, l2_norm_clips=[0.5, 1.0], noise_multipliers=[0.0, 0.0],
+        expected_batch_size=5.0, coordinate_sampling_rate=[1.0, 0.25])
+    for j, rate in enumerate([1.0, 0.25]):
+        for u, s in zip(update[j], got[j]):
+            np.testing.assert_allclose(u.numpy(), s.numpy().astype(
+                np.float64) / (5.0 * rate),
+                                       rtol=1e-12)
+    with pytest.raises(ValueError, match='one entry per block'):
+        agg.clipped_masked_block_sums(
+            blocks, coordinate_sampling_rate=[1.0, 0.5, 0.5], **kwargs)

@@ -211,7 +211,8 @@ def hybrid_noise_variance_ratio(
         l2_norm_clips: Sequence[float],
         block_dimensions: Sequence[int],
         target_epsilon: float, delta: float, steps: int,
-        example_sampling_rate: float, coordinate_sampling_rate: float,
+        example_sampling_rate: float,
+        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
         model_dimension: Optional[int] = None,
         conversion: conversion_lib.ConversionLike = 'dp_accounting',
         tolerance: float = 1e-4) -> HybridNoiseComparison:
@@ -238,6 +239,10 @@ def hybrid_noise_variance_ratio(
         in all d natural coordinates).
       target_epsilon: the epsilon both are compared at (normally the hybrid
         mechanism's own epsilon for these z_j).
+      coordinate_sampling_rate: q2, or q2_j per block; with per-block rates
+        DP-SGD samples at q1 q2 with q2 = max_j q2_j, and block j's
+        variance is scaled by (q2 / q2_j)^2 (its update is divided by
+        n q1 q2_j, DP-SGD's by n q1 q2).
       Other arguments as in `noise_variance_ratio`.
     """
     blocks = blocks_lib.Blocks.from_arguments(
@@ -248,14 +253,18 @@ def hybrid_noise_variance_ratio(
         raise ValueError('block_dimensions must be given, one per block.')
     d = blocks.dimensions[-1] if model_dimension is None else (
         _validate.integer('model_dimension', model_dimension, 1))
-    hybrid = sum(r * (z * c) ** 2 for r, z, c in zip(
-        blocks.dimensions, blocks.noise_multipliers, blocks.l2_norm_clips))
+    rates = blocks_lib.per_block_rates(
+        blocks_lib.check_coordinate_rates(coordinate_sampling_rate),
+        blocks.size)
+    q2 = max(rates)
+    hybrid = sum(r * (z * c * q2 / q) ** 2 for r, z, c, q in zip(
+        blocks.dimensions, blocks.noise_multipliers, blocks.l2_norm_clips,
+        rates))
     c = math.sqrt(sum(c2 ** 2 for c2 in blocks.l2_norm_clips))
     # The calibrated z is scale-free: its noise std is z * c for any c.
     z_std = calibration.calibrate_noise_multiplier(
         target_epsilon=target_epsilon, delta=delta, steps=steps,
-        example_sampling_rate=example_sampling_rate
-        * coordinate_sampling_rate,
+        example_sampling_rate=example_sampling_rate * q2,
         coordinate_sampling_rate=1.0, l2_norm_clip=1.0, linf_norm_clip=None,
         conversion=conversion, tolerance=tolerance)
     standard = d * (z_std * c) ** 2
@@ -263,10 +272,13 @@ def hybrid_noise_variance_ratio(
                                  z_std, d)
 
 
-def _block_table(blocks: blocks_lib.Blocks) -> str:
-    """One row per block: c2, c_inf, d0, z, sigma and r."""
+def _block_table(blocks: blocks_lib.Blocks, rates: Sequence[float]) -> str:
+    """One row per block: c2, c_inf, d0, z, sigma and r (and q2_j when the
+    blocks' rates differ)."""
+    with_rates = len(set(rates)) > 1
     rows = [f'    {"block":>8} {"l2 clip":>9} {"l-inf clip":>11} {"d0":>9} '
-            f'{"noise mult.":>12} {"noise std":>10} {"coordinates":>11}']
+            f'{"noise mult.":>12} {"noise std":>10} {"coordinates":>11}'
+            + (f' {"q2":>6}' if with_rates else '')]
     for j in range(blocks.size):
         c2, ci = blocks.l2_norm_clips[j], blocks.linf_norm_clips[j]
         z = blocks.noise_multipliers[j]
@@ -274,7 +286,8 @@ def _block_table(blocks: blocks_lib.Blocks) -> str:
              else f'{blocks.dimensions[j]:,}')
         name = 'residual' if j == blocks.size - 1 else str(j + 1)
         rows.append(f'    {name:>8} {c2:9.4g} {ci:11.4g} {(c2 / ci) ** 2:9.4g}'
-                    f' {z:12.4g} {z * c2:10.4g} {r:>11}')
+                    f' {z:12.4g} {z * c2:10.4g} {r:>11}'
+                    + (f' {rates[j]:6.4g}' if with_rates else ''))
     return '\n'.join(rows)
 
 
@@ -324,15 +337,18 @@ def compute_twice_sampling_privacy_statement(
                                               num_epochs)
     delta = _validate.probability('delta', delta)
     _validate.warn_if_delta_not_small(delta, n)
-    q2 = _validate.rate('coordinate_sampling_rate',
-                        coordinate_sampling_rate)
+    rates = blocks_lib.check_coordinate_rates(coordinate_sampling_rate)
     conversion = conversion_lib.as_conversion(conversion)
     _check_no_microbatching(used_microbatching)
     blocks = blocks_lib.Blocks.from_arguments(
         noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions)
+    block_rates = blocks_lib.per_block_rates(rates, blocks.size)
+    # DP-SGD is compared at q1 q2, q2 the largest rate: it computes as many
+    # contributions per coordinate as the most-kept block does.
+    q2 = max(block_rates)
     eps, order = compute_twice_sampling_privacy(
-        n, batch_size, noise_multiplier, num_epochs, delta, q2, l2_norm_clip,
-        linf_norm_clip, block_dimensions=block_dimensions,
+        n, batch_size, noise_multiplier, num_epochs, delta, rates,
+        l2_norm_clip, linf_norm_clip, block_dimensions=block_dimensions,
         conversion=conversion)
     z_eff = blocks.effective_noise_multiplier()
     eps_standard, _ = standard_dp_sgd_epsilon(
@@ -344,13 +360,14 @@ def compute_twice_sampling_privacy_statement(
     one_block = blocks.size == 1
     # At q2 = 1 with no l-infinity clip that binds the step is DP-SGD's.
     linf_binds = any(d > 1 for d in d0)
-    name = ('Twice-sampled DP-SGD' if q2 < 1 or linf_binds or not one_block
-            else 'DP-SGD')
+    name = ('Twice-sampled DP-SGD' if min(block_rates) < 1 or linf_binds
+            or not one_block else 'DP-SGD')
     paragraphs = [textwrap.fill(
         f'{name} performed over {n} examples with '
         f'{batch_size:g} examples per iteration in expectation (Poisson '
         f'sampling rate q1 = {q1:.6g}), '
-        + (f'coordinate sampling rate q2 = {q2:g}, ' if q2 < 1 else '')
+        + (f'coordinate sampling rate q2 = {_format_blocks(rates)}, '
+           if min(block_rates) < 1 else '')
         + f'noise multiplier {_format_blocks(noise_multiplier)}, l2 clip '
         f'{_format_blocks(l2_norm_clip)}'
         + (f' and l-infinity clip {_format_blocks(linf_norm_clip)} '
@@ -394,7 +411,7 @@ def compute_twice_sampling_privacy_statement(
             '1 means twice sampling needs less noise).', width=_WIDTH))
     if not one_block:
         paragraphs.append(_hybrid_paragraph(
-            blocks, eps, delta=delta, steps=steps, q1=q1, q2=q2,
+            blocks, eps, delta=delta, steps=steps, q1=q1, rates=block_rates,
             model_dimension=model_dimension, conversion=conversion))
     if max_examples_per_user is None:
         paragraphs.append(textwrap.fill(
@@ -409,14 +426,14 @@ def compute_twice_sampling_privacy_statement(
 
 
 def _hybrid_paragraph(blocks: blocks_lib.Blocks, eps: float, *, delta: float,
-                      steps: int, q1: float, q2: float,
+                      steps: int, q1: float, rates: Sequence[float],
                       model_dimension: Optional[int],
                       conversion: conversion_lib.Conversion) -> str:
     """The block table and the variance comparison of a multi-block step."""
     text = (textwrap.fill(
         'Hybrid-clipping blocks (principal blocks, then the residual; noise '
         'std = noise multiplier * l2 clip on every coordinate of the '
-        'block):', width=_WIDTH) + '\n' + _block_table(blocks))
+        'block):', width=_WIDTH) + '\n' + _block_table(blocks, rates))
     if blocks.dimensions is None:
         return text + '\n' + textwrap.fill(
             'The total noise variance and its ratio to standard DP-SGD need '
@@ -429,12 +446,16 @@ def _hybrid_paragraph(blocks: blocks_lib.Blocks, eps: float, *, delta: float,
         noise_multipliers=blocks.noise_multipliers,
         l2_norm_clips=blocks.l2_norm_clips,
         block_dimensions=blocks.dimensions, target_epsilon=eps, delta=delta,
-        steps=steps, example_sampling_rate=q1, coordinate_sampling_rate=q2,
+        steps=steps, example_sampling_rate=q1, coordinate_sampling_rate=rates,
         model_dimension=model_dimension, conversion=conversion)
+    q2 = max(rates)
+    scaled = ('' if len(set(rates)) == 1 else
+              ', block j\'s scaled by (q2 / q2_j)^2 as its update is divided '
+              'by n*q1*q2_j')
     return text + '\n\n' + textwrap.fill(
         f'Hybrid noise-variance ratio at equal epsilon ({eps:.3f}): '
         f'{cmp.ratio:.4f} (below 1 means hybrid clipping adds less noise): '
-        'total noise variance sum_j r_j (z_j c2_j)^2 = '
+        f'total noise variance sum_j r_j (z_j c2_j)^2{scaled} = '
         f'{cmp.hybrid_variance:.6g}, against d (z c)^2 = '
         f'{cmp.standard_variance:.6g} for standard DP-SGD without basis or '
         f'coordinate sampling over d = {cmp.model_dimension:,} parameters, '

@@ -122,7 +122,9 @@ def variance_optimal_l2_budget(total_l2_clip: float,
                                ranks: Sequence[int],
                                *,
                                noise_std: float,
-                               noise: str = 'per_block') -> Tuple[float, ...]:
+                               noise: str = 'per_block',
+                               noise_scales: Optional[Sequence[float]] = None
+                               ) -> Tuple[float, ...]:
     """Splits c over blocks to minimise the error of the noisy update.
 
     Model (public statistics only, ``block_statistics.PublicBlockStatistics``):
@@ -169,6 +171,11 @@ def variance_optimal_l2_budget(total_l2_clip: float,
       noise_std: s = z / (expected_batch_size * q2) >= 0, the update's noise
         standard deviation per unit clip (0: no noise).
       noise: 'per_block' or 'shared', as above.
+      noise_scales: f_j > 0 per block, block j's update noise relative to
+        ``noise_std`` (q2 / q2_j where block j keeps its coordinates at a
+        rate of its own, its sum being divided by B q2_j); default all 1.
+        The model then has a_j = f_j sqrt(r_j) ('per_block') or diag(f_j^2
+        r_j) ('shared').
 
     Raises:
       ValueError: bad arguments, or no block whose public mean direction
@@ -200,9 +207,14 @@ def variance_optimal_l2_budget(total_l2_clip: float,
         raise ValueError(
             f'variance_optimal searches at most {_MAX_SEARCHED_BLOCKS} '
             f'blocks; got {useful.size}.')
-    a = np.sqrt(r)
+    f = np.ones_like(w) if noise_scales is None else np.asarray(
+        noise_scales, dtype=np.float64)
+    if f.shape != w.shape or not np.all(np.isfinite(f)) or np.any(f <= 0):
+        raise ValueError('noise_scales must be finite numbers > 0, one per '
+                         f'block ({w.size}); got {noise_scales!r}.')
+    a = f * np.sqrt(r)
     m = np.diag(v) + s**2 * (np.outer(a, a) if noise == 'per_block'
-                             else np.diag(r))
+                             else np.diag(a * a))
     # A block with w_j <= 0 only adds error; the rest: the best support.
     best, best_value = None, -np.inf
     for size in range(1, useful.size + 1):

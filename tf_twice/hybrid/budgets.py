@@ -86,7 +86,7 @@ def hybrid_noise_multipliers(
         delta: float,
         steps: int,
         example_sampling_rate: float,
-        coordinate_sampling_rate: float,
+        coordinate_sampling_rate: Union[float, Sequence[float]],
         orders: Optional[Sequence[float]] = None,
         conversion: conversion_lib.ConversionLike = 'dp_accounting',
         variance_weights: Optional[Sequence[float]] = None,
@@ -153,6 +153,7 @@ def plan_blocks(
         steps: Optional[int] = None,
         residual_d0: Optional[float] = None,
         principal_d0: float = 1.0,
+        principal_coordinate_sampling_rate: Optional[float] = None,
         budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT,
         budget_quantile: Optional[float] = None,
         noise_objective: str = 'total_variance',
@@ -179,6 +180,10 @@ def plan_blocks(
         of the config's ``linf_norm_clip`` (give at most one of them).
       principal_d0: c_inf_j = c2_j / sqrt(min(principal_d0, r_j)) for
         principal block j; 1 means no l-infinity clip there.
+      principal_coordinate_sampling_rate: the keep rate of the principal
+        blocks' coordinates (1: unmasked), or None for the config's q2
+        (which the residual keeps). The split and the noise model each
+        block's update noise z_j c2_j / (B q2_j).
       budget_split: how c is split over blocks, one of
         ``budget_splits.BUDGET_SPLITS`` (that module's docstring), always
         with sum_j c2_j^2 = c^2.
@@ -225,6 +230,16 @@ def plan_blocks(
             'give the residual\'s l-infinity clip once: residual_d0 or the '
             'config\'s linf_norm_clip, not both.')
     principal_d0 = _validate.positive('principal_d0', principal_d0)
+    principal_rate = None if principal_coordinate_sampling_rate is None else (
+        config_lib.check_coordinate_sampling_rate(
+            principal_coordinate_sampling_rate))
+    rates = ((principal_rate or config.coordinate_sampling_rate),) * (
+        basis.num_principal_blocks) + (config.coordinate_sampling_rate,)
+    # Block j's update noise relative to the residual's (its sum is divided
+    # by B q2_j).
+    noise_scales = np.array([config.effective_coordinate_sampling_rate
+                             / config_lib.effective_coordinate_sampling_rate(q)
+                             for q in rates])
     budget_quantile = budget_splits.check_budget_split(budget_split,
                                                      budget_quantile)
     if residual_d0 is not None:
@@ -274,7 +289,8 @@ def plan_blocks(
             c, statistics.alignments, statistics.direction_energies,
             basis.block_dimensions, noise=noise_model,
             noise_std=z / (config.expected_batch_size *
-                           config.effective_coordinate_sampling_rate))
+                           config.effective_coordinate_sampling_rate),
+            noise_scales=noise_scales)
     d0s = [min(principal_d0, r) for r in basis.ranks]
     if template.linf_norm_clip is not None:
         d0s.append(max(1.0, (l2[-1] / template.linf_norm_clip)**2))
@@ -284,16 +300,22 @@ def plan_blocks(
     if template.noise_multiplier is not None:
         noise = (template.noise_multiplier,) * basis.num_blocks
     else:
+        weights = (np.asarray(basis.block_dimensions, dtype=np.float64)
+                   if noise_objective == 'total_variance'
+                   else budget_splits.floored(np.mean(
+                       statistics.per_example_norms ** 2, axis=0)))
         noise = hybrid_noise_multipliers(
             basis, l2, linf, target_epsilon=target_epsilon, delta=delta,
             steps=steps, example_sampling_rate=config.example_sampling_rate,
-            coordinate_sampling_rate=config.coordinate_sampling_rate,
-            orders=orders, conversion=conversion,
-            variance_weights=None if noise_objective == 'total_variance'
-            else budget_splits.floored(np.mean(
-                statistics.per_example_norms ** 2, axis=0)))
+            coordinate_sampling_rate=rates, orders=orders,
+            conversion=conversion, variance_weights=(
+                None if noise_objective == 'total_variance'
+                and np.all(noise_scales == 1) else weights * noise_scales**2))
+    block_rates = (principal_rate,) * basis.num_principal_blocks + (None,)
     return attr.evolve(config, blocks=tuple(
         config_lib.Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
-                         noise_multiplier=z, dimension=r)
-        for c2, c_inf, z, r in zip(l2, linf, noise, basis.block_dimensions)))
+                         noise_multiplier=z, dimension=r,
+                         coordinate_sampling_rate=q2)
+        for c2, c_inf, z, r, q2 in zip(l2, linf, noise,
+                                       basis.block_dimensions, block_rates)))
 

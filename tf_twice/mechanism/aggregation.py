@@ -56,7 +56,7 @@ gradients) is read from its factors (``outer_products``), the same numbers.
 """
 
 from fractions import Fraction
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -69,6 +69,7 @@ from tf_twice.mechanism import precision
 from tf_twice.mechanism import randomness
 from tf_twice.mechanism.arguments import check_blocks
 from tf_twice.mechanism.arguments import per_block
+from tf_twice.mechanism.arguments import scalar_or_per_block
 from tf_twice.mechanism.arguments import validate_each_block
 # Public here, where users import it from.
 from tf_twice.mechanism.arguments import validate_params
@@ -110,7 +111,7 @@ def clipped_masked_block_sums(
     *,
     l2_norm_clips: Sequence[float],
     linf_norm_clips: Optional[Sequence[Optional[float]]] = None,
-    coordinate_sampling_rate: float = 1.0,
+    coordinate_sampling_rate: Union[float, Sequence[float]] = 1.0,
     weights: Optional[tf.Tensor] = None,
     key: Optional[tf.Tensor] = None,
     example_offset: TensorLike = 0,
@@ -129,7 +130,8 @@ def clipped_masked_block_sums(
         tensors.
       linf_norm_clips: None (no l-infinity clipping), or c_inf_j > 0 or None
         per block, applied to every coordinate of block j after its l2 clip.
-      coordinate_sampling_rate: q2 in (0, 1], for every block.
+      coordinate_sampling_rate: q2 in (0, 1] for every block, or q2_j per
+        block.
       weights: optional [B] weights in [0, 1] shared by all blocks.
       key: the step key; required when q2 < 1 and ``masks`` is None.
       example_offset: position of row 0 in the logical batch.
@@ -154,8 +156,10 @@ def clipped_masked_block_sums(
     num_blocks = len(blocks)
     clips = per_block('l2_norm_clips', l2_norm_clips, num_blocks)
     linf = per_block('linf_norm_clips', linf_norm_clips, num_blocks)
-    validate_each_block(l2_norm_clip=clips, linf_norm_clip=linf)
-    validate_params(coordinate_sampling_rate=coordinate_sampling_rate)
+    rates = scalar_or_per_block('coordinate_sampling_rate',
+                                coordinate_sampling_rate, num_blocks)
+    validate_each_block(l2_norm_clip=clips, linf_norm_clip=linf,
+                        coordinate_sampling_rate=rates)
     dtype = precision.accumulation_dtype(
         *(g.dtype for block in blocks for g in block))
     blocks = [[tf.cast(g, dtype) for g in block] for block in blocks]
@@ -168,7 +172,7 @@ def clipped_masked_block_sums(
                     f'blocks[{j}] ({len(block)}), got {len(block_masks)}.')
         masks = [[tf.cast(m, tf.bool) for m in block_masks]
                  for block_masks in masks]
-    elif coordinate_sampling_rate < 1 and key is None:
+    elif min(rates) < 1 and key is None:
         raise ValueError(
             'key (from draw_step_key) or masks is required when '
             f'coordinate_sampling_rate < 1, got {coordinate_sampling_rate}.')
@@ -184,7 +188,7 @@ def clipped_masked_block_sums(
         scale = kernels.clip_scale(sq_norms[j], finite, clips[j], dtype)
         block = kernels.drop_non_finite(block, finite)
         sums.append(kernels.sum_block(
-            block, scale, weights, linf[j], coordinate_sampling_rate,
+            block, scale, weights, linf[j], rates[j],
             None if masks is None else masks[j], key, example_offset,
             jit_compile, block=j))
     return sums
@@ -270,13 +274,13 @@ def add_block_noise_and_normalize(
     l2_norm_clips: Sequence[float],
     noise_multipliers: Sequence[float],
     expected_batch_size: float,
-    coordinate_sampling_rate: float = 1.0,
+    coordinate_sampling_rate: Union[float, Sequence[float]] = 1.0,
     key: Optional[tf.Tensor] = None,
     noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
     noise_dtype: tf.DType = precision.BATCH_SUM_DTYPE,
 ) -> List[List[tf.Tensor]]:
     """Steps 5-6 on m blocks: N(0, (z_j c2_j)^2) per coordinate of block j,
-    then division by expected_batch_size * q2, in float64.
+    then division by expected_batch_size * q2_j, in float64.
 
     The sums are taken to float64 (``precision.BATCH_SUM_DTYPE``) and the
     noise is added there: rounding the result to the variables' dtype
@@ -292,7 +296,8 @@ def add_block_noise_and_normalize(
       noise_multipliers: z_j >= 0 per block (0: no noise in that block; not
         private, for tests).
       expected_batch_size: n * q1 > 0 (never the realised batch size).
-      coordinate_sampling_rate: q2; the divisor uses the realised mask rate.
+      coordinate_sampling_rate: q2, or q2_j per block; block j's divisor
+        uses its realised mask rate.
       key: the step key; required when some z_j > 0 and ``noise`` is None.
         Block j's noise comes from its own streams (``standard_normal_noise
         (..., block=j)``), independent of every other block's.
@@ -313,13 +318,13 @@ def add_block_noise_and_normalize(
         raise ValueError('block_sums must hold at least one block.')
     clips = per_block('l2_norm_clips', l2_norm_clips, num_blocks)
     zs = per_block('noise_multipliers', noise_multipliers, num_blocks)
-    validate_each_block(l2_norm_clip=clips, noise_multiplier=zs)
-    validate_params(coordinate_sampling_rate=coordinate_sampling_rate,
-                    expected_batch_size=expected_batch_size)
+    rates = scalar_or_per_block('coordinate_sampling_rate',
+                                coordinate_sampling_rate, num_blocks)
+    validate_each_block(l2_norm_clip=clips, noise_multiplier=zs,
+                        coordinate_sampling_rate=rates)
+    validate_params(expected_batch_size=expected_batch_size)
     if noise is not None:
         noise = per_block('noise', noise, num_blocks)
-    denom = expected_batch_size * effective_coordinate_sampling_rate(
-        coordinate_sampling_rate)
     out = []
     for j, sums in enumerate(block_sums):
         sums = [tf.cast(s, precision.BATCH_SUM_DTYPE) for s in sums]
@@ -341,6 +346,8 @@ def add_block_noise_and_normalize(
             std = Fraction(float(zs[j])) * Fraction(float(clips[j]))
             sums = [s + precision.constant_toward(std, s.dtype, up=True)
                     * tf.cast(e, s.dtype) for s, e in zip(sums, block_noise)]
+        denom = expected_batch_size * effective_coordinate_sampling_rate(
+            rates[j])
         out.append([s / tf.cast(denom, s.dtype) for s in sums])
     return out
 

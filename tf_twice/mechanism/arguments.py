@@ -22,6 +22,7 @@ from tf_twice.mechanism import randomness
 __all__ = [
     'check_blocks',
     'per_block',
+    'scalar_or_per_block',
     'validate_each_block',
     'validate_params',
 ]
@@ -82,6 +83,16 @@ def per_block(name: str, values, num_blocks: int) -> list:
             f'{name} must have one entry per block ({num_blocks}), got '
             f'{len(values)}.')
     return values
+
+
+def scalar_or_per_block(name: str, value, num_blocks: int) -> list:
+    """A number for every block, or one per block (`per_block`), as a list
+    of length ``num_blocks``."""
+    if isinstance(value, (int, float, np.generic)) or np.ndim(value) == 0 and (
+            hasattr(value, 'item')):
+        return [value.item() if hasattr(value, 'item') else value] * (
+            num_blocks)
+    return per_block(name, value, num_blocks)
 
 
 def check_blocks(blocks) -> List[List[tf.Tensor]]:

@@ -12,12 +12,14 @@ parameter groups):
    per parameter group) and r_i = g_i - U a_i (the residual, one tensor of
    d_g natural coordinates per group);
 2. block j is clipped to l2 <= c2_j, then every coordinate to c_inf_j;
-3. every coordinate of every block is kept with probability q2 (independent
-   masks: each block draws from its own Philox streams);
+3. every coordinate of block j is kept with probability q2_j (the config's
+   q2 unless the block sets its own; independent masks: each block draws
+   from its own Philox streams);
 4. sums over the batch (weights in [0, 1]);
 5. N(0, (z_j c2_j)^2) on every coordinate of block j (principal blocks: on
    the r_j coefficients; residual: on all d natural coordinates);
-6. update = (U a~ + r~) / (expected_batch_size * q2).
+6. update = (U a~ + r~), block j's sum divided by expected_batch_size *
+   q2_j.
 
 With no basis there is one block, g_i itself, and the step is exactly the
 single-block aggregation (same numbers for the same key).
@@ -263,7 +265,7 @@ def block_sums(per_example_grads: Sequence[tf.Tensor],
         blocks,
         l2_norm_clips=config.l2_norm_clips,
         linf_norm_clips=config.linf_norm_clips,
-        coordinate_sampling_rate=config.coordinate_sampling_rate,
+        coordinate_sampling_rate=config.coordinate_sampling_rates,
         weights=weights,
         key=key,
         example_offset=example_offset,
@@ -300,7 +302,7 @@ def noisy_update(sums: BlockSums,
         l2_norm_clips=config.l2_norm_clips,
         noise_multipliers=config.noise_multipliers,
         expected_batch_size=config.expected_batch_size,
-        coordinate_sampling_rate=config.coordinate_sampling_rate,
+        coordinate_sampling_rate=config.coordinate_sampling_rates,
         key=key,
         noise=noise,
         noise_dtype=noise_dtype)
