@@ -222,6 +222,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float('principal_d0', defaults.principal_d0,
                        'Hybrid: l-infinity clip c2_j / sqrt(principal_d0) '
                        'of the principal blocks (1: none).', **fv)
+    flags.DEFINE_float('principal_coordinate_sampling_rate', None,
+                       'Hybrid: the keep rate of the principal blocks\' '
+                       'coefficients (1: unmasked; default: '
+                       '--coordinate_sampling_rate, the residual\'s).',
+                       **fv)
     flags.DEFINE_enum('budget_split', defaults.budget_split,
                       list(BUDGET_SPLITS),
                       'Hybrid: how the global l2 budget is split over blocks '

@@ -252,6 +252,8 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
             budget_split=config.budget_split,
             budget_quantile=config.budget_quantile,
             noise_objective=config.noise_objective,
+            principal_coordinate_sampling_rate=(
+                config.principal_coordinate_sampling_rate),
             **basis_kwargs(config, plan), **budget)
     except ValueError as e:
         if not budget:

@@ -272,6 +272,11 @@ def evaluate(model: tf.keras.Model, data: Data, batch_size: int = 512,
     return float(results['loss']), float(results['accuracy'])
 
 
+def _one_or_per_block(values):
+    """The value the blocks share, else one per block (a list)."""
+    return float(values[0]) if len(set(values)) == 1 else _per_block(values)
+
+
 def _per_block(values):
     """One value per block as the results give it: the value itself for
     one block, a list for several (hybrid clipping)."""
@@ -339,7 +344,8 @@ def train(config: Any, data: Optional[Data] = None, *,
         num_test_examples=int(len(run.data.x_test)),
         example_sampling_rate=mechanism.example_sampling_rate,
         expected_batch_size=mechanism.expected_batch_size,
-        coordinate_sampling_rate=mechanism.coordinate_sampling_rate,
+        coordinate_sampling_rate=_one_or_per_block(
+            mechanism.coordinate_sampling_rates),
         l2_norm_clip=_per_block(mechanism.l2_norm_clips),
         linf_norm_clip=_per_block(mechanism.linf_norm_clips),
         noise_multiplier=_per_block(mechanism.noise_multipliers),

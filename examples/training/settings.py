@@ -12,6 +12,7 @@ import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from tf_twice import _validate
+from tf_twice import config as config_lib
 from tf_twice import models
 from tf_twice.hybrid import budget_splits
 from tf_twice.hybrid import budgets as hybrid_budgets
@@ -66,6 +67,7 @@ class TrainConfig:
     linf_norm_clip: Optional[float] = None
     d0: Optional[float] = None
     principal_d0: float = 1.0
+    principal_coordinate_sampling_rate: Optional[float] = None
     budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT
     budget_quantile: Optional[float] = None
     noise_objective: str = hybrid_budgets.NOISE_OBJECTIVES[0]
@@ -231,6 +233,7 @@ def check_config(config: Any) -> TrainConfig:
     check_at_least_one('principal_d0', config.principal_d0)
     check_budget_split(config)
     check_noise_objective(config)
+    check_principal_coordinate_sampling_rate(config)
     if config.epochs is not None and config.steps is not None:
         raise ValueError('give at most one of --epochs and --steps; got '
                          'both.')
@@ -288,6 +291,22 @@ def check_budget_split(config: TrainConfig) -> None:
     _validate.rate('--budget_quantile', config.budget_quantile)
 
 
+def check_principal_coordinate_sampling_rate(config: TrainConfig) -> None:
+    """--principal_coordinate_sampling_rate: hybrid only, a rate in (0, 1]
+    (at least the mask resolution, 2**-16)."""
+    rate = config.principal_coordinate_sampling_rate
+    if rate is None:
+        return
+    if config.mode != 'hybrid':
+        raise flag_error('principal_coordinate_sampling_rate',
+                         'unset unless --mode=hybrid', rate)
+    try:
+        config_lib.check_coordinate_sampling_rate(rate)
+    except ValueError as e:
+        raise flag_error('principal_coordinate_sampling_rate',
+                         'in [2**-16, 1]', rate) from e
+
+
 def check_noise_objective(config: TrainConfig) -> None:
     """--noise_objective: hybrid only, with the per-block noise optimised."""
     check_choice('noise_objective', config.noise_objective, NOISE_OBJECTIVES)
@@ -301,8 +320,9 @@ def check_noise_objective(config: TrainConfig) -> None:
 
 
 def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
-    """--budget_split, --budget_quantile and --noise_objective (how the
-    blocks' clips and noise are planned), only when not the defaults:
+    """--budget_split, --budget_quantile, --noise_objective and
+    --principal_coordinate_sampling_rate (how the blocks' clips, noise and
+    masks are planned), only when not the defaults:
     records written before these flags existed stay equal to the default
     run's (resumes and stored results stay valid)."""
     settings: Dict[str, Any] = {}
@@ -312,6 +332,9 @@ def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
         settings['budget_quantile'] = float(config.budget_quantile)
     if config.noise_objective != NOISE_OBJECTIVES[0]:
         settings['noise_objective'] = config.noise_objective
+    if config.principal_coordinate_sampling_rate is not None:
+        settings['principal_coordinate_sampling_rate'] = float(
+            config.principal_coordinate_sampling_rate)
     return settings
 
 

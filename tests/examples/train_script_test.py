@@ -114,6 +114,10 @@ def test_nonprivate_mode_makes_no_claim(digits):
      '--budget_quantile'),
     (dict(mode='hybrid', budget_split='quantile', budget_quantile='half'),
      '--budget_quantile'),
+    (dict(mode='twice', principal_coordinate_sampling_rate=1.0),
+     '--principal_coordinate_sampling_rate'),
+    (dict(mode='hybrid', principal_coordinate_sampling_rate=0.0),
+     '--principal_coordinate_sampling_rate'),
     (dict(mode='hybrid', noise_objective='curvature'), '--noise_objective'),
     (dict(mode='twice', noise_objective='public_fisher'), '--noise_objective'),
     (dict(mode='hybrid', noise_multiplier=1.0, target_epsilon=None,
@@ -210,6 +214,15 @@ def test_hybrid_mode_with_each_budget_split(split, default_hybrid_clips):
     assert clips != pytest.approx(default_hybrid_clips)  # The flag acts.
     check_private(results, 3)
     assert results['epsilon'] <= 8.0
+
+
+def test_hybrid_mode_with_unmasked_principal_blocks():
+    data = data_lib.load_data('digits', public_examples=50)
+    results = runner.train(dict(HYBRID, principal_coordinate_sampling_rate=1.0,
+                                coordinate_sampling_rate=0.5), data=data)
+    assert results['coordinate_sampling_rate'] == [1.0, 0.5]
+    check_private(results, 3)  # The statement agrees with the ledger.
+    assert 'q2 = (1, 0.5)' in results['statement']
 
 
 def test_data_given_must_match_the_public_split(digits):
