@@ -467,3 +467,21 @@ def test_bad_orders(orders):
         twice_sampling_rdp(orders, example_sampling_rate=0.1,
                            coordinate_sampling_rate=0.5, noise_multiplier=1.0,
                            linf_norm_clip=0.1)
+
+
+def test_a_blocks_rdp_depends_on_its_d0_and_noise_not_on_its_clip_scale():
+    # Block j's worst case is d0_j coordinates at c_inf_j = c2_j / sqrt(d0_j)
+    # under noise z_j c2_j: every exponent is a ratio to c2_j. So budgets
+    # re-split between blocks at the same z_j and d0_j account the same.
+    kwargs = dict(example_sampling_rate=0.05,
+                  coordinate_sampling_rate=[1.0, 0.5],
+                  noise_multiplier=[1.3, 0.8], block_dimensions=[16, 5000])
+    orders = [2, 8, 32, 256]
+    planned = twice_sampling_rdp(orders, l2_norm_clip=[0.9, 0.3],
+                                 linf_norm_clip=[0.9, 0.03], **kwargs)
+    replanned = twice_sampling_rdp(orders, l2_norm_clip=[0.2, 0.7],
+                                   linf_norm_clip=[0.2, 0.07], **kwargs)
+    np.testing.assert_allclose(replanned, planned, rtol=1e-12)
+    other_d0 = twice_sampling_rdp(orders, l2_norm_clip=[0.2, 0.7],
+                                  linf_norm_clip=[0.2, 0.1], **kwargs)
+    assert (other_d0 > planned).all()
