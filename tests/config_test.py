@@ -11,6 +11,7 @@ import dp_accounting
 import pytest
 
 from tf_twice import config as config_lib
+from tf_twice.accounting import ledger_state
 from tf_twice.config import Block, TwiceSamplingConfig
 
 pytestmark = pytest.mark.tf_free  # Run in one environment (conftest).
@@ -231,3 +232,28 @@ def test_a_block_rate_round_trips_and_a_block_without_one_is_written_as_before()
     assert 'coordinate_sampling_rate' not in data['blocks'][1]
     assert TwiceSamplingConfig.from_dict(json.loads(json.dumps(data))) == (
         config)
+
+
+def test_event_keys_of_one_rate_configs_are_pinned():
+    # State files and the weights' step records are keyed by these
+    # strings: a change would make every earlier run's ledger refuse its
+    # own checkpoints. Per-block rates may add keys, never change these.
+    assert ledger_state.event_key(_single().dp_event()) == (
+        '{"arguments": {"block_dimensions": null, "coordinate_sampling_rate":'
+        ' 0.5, "example_sampling_rate": 0.004266666666666667, '
+        '"l2_norm_clip": 1.0, "linf_norm_clip": 0.1, "noise_multiplier": '
+        '1.1}, "class_name": "TwiceSampledGaussianDpEvent", "module_name": '
+        '"tf_twice.accounting.dp_event"}')
+    hybrid = TwiceSamplingConfig(
+        num_examples=1000, expected_batch_size=50,
+        coordinate_sampling_rate=0.5,
+        blocks=(Block(l2_norm_clip=0.5, noise_multiplier=1.0, dimension=8),
+                Block(l2_norm_clip=1.0, noise_multiplier=1.2,
+                      linf_norm_clip=0.1, dimension=100)))
+    assert ledger_state.event_key(hybrid.dp_event()) == (
+        '{"arguments": {"block_dimensions": [8, 100], '
+        '"coordinate_sampling_rate": 0.5, "example_sampling_rate": 0.05, '
+        '"l2_norm_clip": [0.5, 1.0], "linf_norm_clip": [null, 0.1], '
+        '"noise_multiplier": [1.0, 1.2]}, "class_name": '
+        '"TwiceSampledGaussianDpEvent", "module_name": '
+        '"tf_twice.accounting.dp_event"}')

@@ -385,9 +385,11 @@ def _print_plan(run: Run) -> None:
           f'{len(run.data.x_public)} public, {validation}'
           f'{len(run.data.x_test)} test.')
     if config.mode in PRIVATE_MODES:
+        rates = list(mechanism.coordinate_sampling_rates)
         print(f'  Poisson rate q1 = {mechanism.example_sampling_rate:.6g} '
               f'(expected batch {mechanism.expected_batch_size:g}), '
-              f'coordinate rate q2 = {mechanism.coordinate_sampling_rate:g}, '
+              'coordinate rate q2 = '
+              f'{_fmt(rates if len(set(rates)) > 1 else rates[:1])}, '
               f'l2 clip {_fmt(mechanism.l2_norm_clips)}, l-inf clip '
               f'{_fmt(mechanism.linf_norm_clips)}, noise multiplier '
               f'{_fmt(mechanism.noise_multipliers)}, delta {plan.delta:g}'

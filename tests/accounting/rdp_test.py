@@ -1,6 +1,7 @@
 """Tests of the one-step RDP of twice sampling against independent numbers."""
 
 import functools
+import itertools
 import math
 
 from dp_accounting.rdp import rdp_privacy_accountant
@@ -485,3 +486,63 @@ def test_a_blocks_rdp_depends_on_its_d0_and_noise_not_on_its_clip_scale():
     other_d0 = twice_sampling_rdp(orders, l2_norm_clip=[0.2, 0.7],
                                   linf_norm_clip=[0.2, 0.1], **kwargs)
     assert (other_d0 > planned).all()
+
+
+def _remove_direction_by_expansion(alpha, q1, coordinates):
+    """D_alpha(Q || P) for integer alpha by the multinomial expansion of
+    E_P[(Q/P)^alpha] over Q's Gaussian components (independent of the
+    accountant's binomial tables): Q = (1 - q1) P + q1 sum_mask p(mask)
+    N(mask * s, sigma^2), coordinates = [(s, q2, sigma)]."""
+    components = [(1 - q1, np.zeros(len(coordinates)))]
+    for mask in itertools.product([0, 1], repeat=len(coordinates)):
+        p = math.prod(q2 if bit else 1 - q2
+                      for bit, (_, q2, _) in zip(mask, coordinates))
+        mean = np.array([bit * s / sigma
+                         for bit, (s, _, sigma) in zip(mask, coordinates)])
+        components.append((q1 * p, mean))
+    total = 0.0
+    for counts in itertools.product(range(alpha + 1), repeat=len(components)):
+        if sum(counts) != alpha:
+            continue
+        coefficient = math.factorial(alpha)
+        summed = np.zeros(len(coordinates))
+        squares = 0.0
+        for k, (w, mu) in zip(counts, components):
+            coefficient *= w**k / math.factorial(k)
+            summed += k * mu
+            squares += k * mu @ mu
+        total += coefficient * math.exp((summed @ summed - squares) / 2)
+    return math.log(total) / (alpha - 1)
+
+
+@pytest.mark.parametrize('alpha', [2, 3])
+def test_per_block_rates_equal_the_multinomial_expansion(alpha):
+    # An unmasked block of one coordinate at c2_0 = 0.6, a block at
+    # q2 = 0.3 with d0 = 2 (c2_1 = 0.5 sqrt(2)), noise z_j c2_j: three
+    # coordinates.
+    z = (1.2, 0.9)
+    sigma = (z[0] * 0.6, z[1] * 0.5 * math.sqrt(2))
+    coordinates = [(0.6, 1.0, sigma[0]), (0.5, 0.3, sigma[1]),
+                   (0.5, 0.3, sigma[1])]
+    for q1 in (0.05, 0.6):
+        want = _remove_direction_by_expansion(alpha, q1, coordinates)
+        got = float(twice_sampling_rdp(
+            [alpha], example_sampling_rate=q1,
+            coordinate_sampling_rate=[1.0, 0.3], noise_multiplier=z,
+            l2_norm_clip=[0.6, 0.5 * math.sqrt(2)],
+            linf_norm_clip=[None, 0.5])[0])
+        assert got == pytest.approx(want, rel=1e-10), q1
+
+
+def test_rdp_is_non_decreasing_in_each_blocks_rate():
+    # So accounting at the nominal q2_j covers the realised mask rate
+    # floor(q2_j 2**16) / 2**16 <= q2_j.
+    kwargs = dict(example_sampling_rate=0.1, noise_multiplier=[1.0, 0.7],
+                  l2_norm_clip=[1.0, 1.0], linf_norm_clip=[0.5, 0.1])
+    rates = np.linspace(2**-16, 1.0, 9)
+    for block in (0, 1):
+        curve = np.array([twice_sampling_rdp(
+            [2, 8, 64], coordinate_sampling_rate=[q if j == block else 0.5
+                                                  for j in (0, 1)],
+            **kwargs) for q in rates])
+        assert (np.diff(curve, axis=0) >= 0).all(), block

@@ -362,3 +362,11 @@ def test_a_statement_with_per_block_rates_lists_them_and_scales_the_comparison()
     assert compute_twice_sampling_privacy_statement(
         *args, [0.5, 0.5], **kwargs) == compute_twice_sampling_privacy_statement(
             *args, 0.5, **kwargs).replace('q2 = 0.5', 'q2 = (0.5, 0.5)')
+
+
+def test_the_one_rate_noise_ratio_refuses_per_block_rates_by_name():
+    with pytest.raises(ValueError, match='hybrid_noise_variance_ratio'):
+        noise_variance_ratio(
+            target_epsilon=3.0, delta=1e-5, steps=100,
+            example_sampling_rate=0.01, coordinate_sampling_rate=[1.0, 0.5],
+            l2_norm_clip=[0.5, 1.0], linf_norm_clip=[None, 0.1])

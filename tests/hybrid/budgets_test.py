@@ -425,3 +425,17 @@ def test_unmasked_principal_blocks_are_planned_with_their_update_noise(
     with pytest.raises(ValueError, match='coordinate_sampling_rate'):
         budgets.plan_blocks(config, basis, public,
                             principal_coordinate_sampling_rate=0.0, **BUDGET)
+
+
+def test_a_template_rate_is_the_residuals():
+    # A one-block template with its own rate (0.25, the config 0.5): the
+    # residual keeps it, and so do the principal blocks unless told.
+    basis, public = learning.learn_basis(_public(), [3, 5], seed=1), _public()
+    config = attr.evolve(_one_block(linf_norm_clip=0.05), blocks=(Block(
+        l2_norm_clip=1.0, linf_norm_clip=0.05,
+        coordinate_sampling_rate=0.25),))
+    assert budgets.plan_blocks(config, basis, public, **BUDGET
+                               ).coordinate_sampling_rates == (0.25,) * 3
+    assert budgets.plan_blocks(
+        config, basis, public, principal_coordinate_sampling_rate=1.0,
+        **BUDGET).coordinate_sampling_rates == (1.0, 1.0, 0.25)

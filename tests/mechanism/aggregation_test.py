@@ -754,10 +754,6 @@ def test_q2_arithmetic_is_the_configs():
     assert mechanism.MASK_PRECISION_BITS == config_lib.MASK_PRECISION_BITS
 
 
-if __name__ == '__main__':
-    raise SystemExit(pytest.main([__file__]))
-
-
 def test_each_block_is_masked_and_normalised_at_its_own_rate():
     # Block 0 unmasked (q2_0 = 1), block 1 at q2_1 = 1/4: each gets the
     # numbers the one-rate aggregation gives it for the same key (its own
@@ -788,3 +784,7 @@ def test_each_block_is_masked_and_normalised_at_its_own_rate():
     with pytest.raises(ValueError, match='one entry per block'):
         agg.clipped_masked_block_sums(
             blocks, coordinate_sampling_rate=[1.0, 0.5, 0.5], **kwargs)
+
+
+if __name__ == '__main__':
+    raise SystemExit(pytest.main([__file__]))

@@ -68,7 +68,7 @@ def compute_twice_sampling_privacy(
         noise_multiplier: blocks_lib.ScalarOrBlocks,
         epochs: float,
         delta: float,
-        coordinate_sampling_rate: float,
+        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
         l2_norm_clip: blocks_lib.ScalarOrBlocks = 1.0,
         linf_norm_clip: blocks_lib.OptionalScalarOrBlocks = None,
         *,
@@ -165,6 +165,12 @@ def noise_variance_ratio(
     paper's tabulated noise-variance ratio; below 1 means twice sampling
     needs less noise.
     """
+    if isinstance(blocks_lib.check_coordinate_rates(coordinate_sampling_rate),
+                  tuple):
+        raise ValueError(
+            'coordinate_sampling_rate must be one rate for this one-rate '
+            f'comparison; got {coordinate_sampling_rate!r} (per-block rates: '
+            'hybrid_noise_variance_ratio).')
     common = dict(target_epsilon=target_epsilon, delta=delta, steps=steps,
                   conversion=conversion, tolerance=tolerance)
     z_twice = calibration.calibrate_noise_multiplier(
@@ -304,7 +310,7 @@ def compute_twice_sampling_privacy_statement(
         num_epochs: float,
         noise_multiplier: blocks_lib.ScalarOrBlocks,
         delta: float,
-        coordinate_sampling_rate: float,
+        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
         l2_norm_clip: blocks_lib.ScalarOrBlocks = 1.0,
         linf_norm_clip: blocks_lib.OptionalScalarOrBlocks = None,
         used_microbatching: bool = False,

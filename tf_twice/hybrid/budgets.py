@@ -233,13 +233,16 @@ def plan_blocks(
     principal_rate = None if principal_coordinate_sampling_rate is None else (
         config_lib.check_coordinate_sampling_rate(
             principal_coordinate_sampling_rate))
-    rates = ((principal_rate or config.coordinate_sampling_rate),) * (
-        basis.num_principal_blocks) + (config.coordinate_sampling_rate,)
+    # The template's own rate, else the config's, is the residual's (and,
+    # unless principal_rate says otherwise, the principal blocks').
+    residual_rate = config.coordinate_sampling_rates[0]
+    rates = (principal_rate or residual_rate,) * (
+        basis.num_principal_blocks) + (residual_rate,)
     # Block j's update noise relative to the residual's (its sum is divided
     # by B q2_j).
-    noise_scales = np.array([config.effective_coordinate_sampling_rate
-                             / config_lib.effective_coordinate_sampling_rate(q)
-                             for q in rates])
+    noise_scales = np.array([
+        config_lib.effective_coordinate_sampling_rate(residual_rate)
+        / config_lib.effective_coordinate_sampling_rate(q) for q in rates])
     budget_quantile = budget_splits.check_budget_split(budget_split,
                                                      budget_quantile)
     if residual_d0 is not None:
@@ -289,7 +292,7 @@ def plan_blocks(
             c, statistics.alignments, statistics.direction_energies,
             basis.block_dimensions, noise=noise_model,
             noise_std=z / (config.expected_batch_size *
-                           config.effective_coordinate_sampling_rate),
+                           config.effective_coordinate_sampling_rates[0]),
             noise_scales=noise_scales)
     d0s = [min(principal_d0, r) for r in basis.ranks]
     if template.linf_norm_clip is not None:
@@ -311,7 +314,9 @@ def plan_blocks(
             conversion=conversion, variance_weights=(
                 None if noise_objective == 'total_variance'
                 and np.all(noise_scales == 1) else weights * noise_scales**2))
-    block_rates = (principal_rate,) * basis.num_principal_blocks + (None,)
+    block_rates = ((principal_rate or template.coordinate_sampling_rate,)
+                   * basis.num_principal_blocks
+                   + (template.coordinate_sampling_rate,))
     return attr.evolve(config, blocks=tuple(
         config_lib.Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
                          noise_multiplier=z, dimension=r,
