@@ -40,7 +40,8 @@ of tensors [B, ...] with its own c2_j, c_inf_j and z_j: block j is clipped on
 its own (l2 over all its tensors, then l-infinity), masked, summed and noised
 with N(0, (z_j c2_j)^2). One example then changes the released blocks by
 vectors s_j with ||s_j||_2 <= c2_j and ||s_j||_inf <= c_inf_j, each coordinate
-kept with probability q2: the multi-block twice-sampled Gaussian mechanism
+of block j kept with probability q2_j (one q2 for all blocks, or one per
+block): the multi-block twice-sampled Gaussian mechanism
 accounted by ``TwiceSampledGaussianDpEvent`` with per-block tuples.
 ``clipped_masked_sum`` and ``add_noise_and_normalize`` are the one-block case;
 with one block the numbers are exactly those of the block functions for the
