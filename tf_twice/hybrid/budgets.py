@@ -233,15 +233,17 @@ def plan_blocks(
     principal_rate = None if principal_coordinate_sampling_rate is None else (
         config_lib.check_coordinate_sampling_rate(
             principal_coordinate_sampling_rate))
-    # The template's own rate, else the config's, is the residual's (and,
-    # unless principal_rate says otherwise, the principal blocks').
-    residual_rate = config.coordinate_sampling_rates[0]
-    rates = (principal_rate or residual_rate,) * (
-        basis.num_principal_blocks) + (residual_rate,)
+    # The planned blocks' own rates (None: the config's): the template's
+    # is the residual's, and the principal blocks' unless principal_rate.
+    block_rates = ((principal_rate or template.coordinate_sampling_rate,)
+                   * basis.num_principal_blocks
+                   + (template.coordinate_sampling_rate,))
+    rates = tuple(config.coordinate_sampling_rate if q is None else q
+                  for q in block_rates)
     # Block j's update noise relative to the residual's (its sum is divided
     # by B q2_j).
     noise_scales = np.array([
-        config_lib.effective_coordinate_sampling_rate(residual_rate)
+        config_lib.effective_coordinate_sampling_rate(rates[-1])
         / config_lib.effective_coordinate_sampling_rate(q) for q in rates])
     budget_quantile = budget_splits.check_budget_split(budget_split,
                                                      budget_quantile)
@@ -292,7 +294,8 @@ def plan_blocks(
             c, statistics.alignments, statistics.direction_energies,
             basis.block_dimensions, noise=noise_model,
             noise_std=z / (config.expected_batch_size *
-                           config.effective_coordinate_sampling_rates[0]),
+                           config_lib.effective_coordinate_sampling_rate(
+                               rates[-1])),
             noise_scales=noise_scales)
     d0s = [min(principal_d0, r) for r in basis.ranks]
     if template.linf_norm_clip is not None:
@@ -314,9 +317,6 @@ def plan_blocks(
             conversion=conversion, variance_weights=(
                 None if noise_objective == 'total_variance'
                 and np.all(noise_scales == 1) else weights * noise_scales**2))
-    block_rates = ((principal_rate or template.coordinate_sampling_rate,)
-                   * basis.num_principal_blocks
-                   + (template.coordinate_sampling_rate,))
     return attr.evolve(config, blocks=tuple(
         config_lib.Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
                          noise_multiplier=z, dimension=r,

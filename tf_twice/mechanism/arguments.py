@@ -88,8 +88,7 @@ def per_block(name: str, values, num_blocks: int) -> list:
 def scalar_or_per_block(name: str, value, num_blocks: int) -> list:
     """A number for every block, or one per block (`per_block`), as a list
     of length ``num_blocks``."""
-    if isinstance(value, (int, float, np.generic)) or np.ndim(value) == 0 and (
-            hasattr(value, 'item')):
+    if np.ndim(value) == 0 and not isinstance(value, (str, bytes)):
         return [value.item() if hasattr(value, 'item') else value] * (
             num_blocks)
     return per_block(name, value, num_blocks)
