@@ -236,6 +236,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        '--budget_split=quantile: the public norm quantile '
                        f'(default {DEFAULT_BUDGET_QUANTILE:g}).',
                        **fv)
+    flags.DEFINE_boolean('replan_budgets', defaults.replan_budgets,
+                         'Hybrid: re-split the l2 budget over the blocks from '
+                         'the public gradients at every basis refresh, at the '
+                         'same epsilon (tf_twice.hybrid.'
+                         'replanned_block_scales).', **fv)
     flags.DEFINE_enum('noise_objective', defaults.noise_objective,
                       list(NOISE_OBJECTIVES),
                       'Hybrid, noise optimised per block: what it minimises '

@@ -9,7 +9,7 @@ Keras 3) or on tensorflow-privacy's vectorized DP optimizers
 """
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
@@ -115,9 +115,11 @@ class Mechanism:
         """The hybrid-clipping basis (None: one block)."""
         return self._aggregator.basis
 
-    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
-        """Uses ``basis`` from the next step on, without retracing."""
-        self._aggregator.set_basis(basis)
+    def set_basis(self, basis: basis_lib.HybridBasis, *,
+                  block_scales: Optional[Sequence[float]] = None) -> None:
+        """Uses ``basis`` (and ``block_scales``) from the next step on,
+        without retracing (``BasisHolder.set_basis``)."""
+        self._aggregator.set_basis(basis, block_scales=block_scales)
 
     def bind_to_dp_model(self) -> None:
         """Called by ``DPModel.compile``: from now on this optimizer may be

@@ -238,7 +238,11 @@ def build_run(config: Any, data: Optional[Data] = None) -> Run:
             modeling.per_example_loss(), config.basis_refresh_steps,
             on_refresh=model.set_basis,
             batch_size=config.physical_batch_size, seed=basis_seed,
-            **plan_lib.basis_kwargs(config, plan))
+            **plan_lib.basis_kwargs(config, plan),
+            **(dict(replan_config=model.config,
+                    budget_split=config.budget_split,
+                    budget_quantile=config.budget_quantile)
+               if config.replan_budgets else {}))
 
     callbacks: List[tf.keras.callbacks.Callback] = []
     if ledger is not None:
@@ -359,6 +363,11 @@ def train(config: Any, data: Optional[Data] = None, *,
         epsilon=None, statement_epsilon=None, statement=None,
         stopped_by_budget=False, test_loss=test_loss,
         test_accuracy=test_accuracy, train_seconds=seconds)
+    if config.replan_budgets:
+        # The last re-plan's clips: the config's times the block scales.
+        results['replanned_l2_norm_clip'] = [
+            c * s for c, s in zip(mechanism.l2_norm_clips,
+                                  run.model.aggregator.block_scales)]
     if run.ledger is not None:
         results['total_steps'] = run.ledger.steps
         results['epsilon'] = run.ledger.epsilon if run.ledger.steps else 0.0

@@ -70,6 +70,7 @@ class TrainConfig:
     principal_coordinate_sampling_rate: Optional[float] = None
     budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT
     budget_quantile: Optional[float] = None
+    replan_budgets: bool = False
     noise_objective: str = hybrid_budgets.NOISE_OBJECTIVES[0]
     epochs: Optional[float] = None
     steps: Optional[int] = None
@@ -234,6 +235,7 @@ def check_config(config: Any) -> TrainConfig:
     check_budget_split(config)
     check_noise_objective(config)
     check_principal_coordinate_sampling_rate(config)
+    check_replan_budgets(config)
     if config.epochs is not None and config.steps is not None:
         raise ValueError('give at most one of --epochs and --steps; got '
                          'both.')
@@ -307,6 +309,15 @@ def check_principal_coordinate_sampling_rate(config: TrainConfig) -> None:
                          'in [2**-16, 1]', rate) from e
 
 
+def check_replan_budgets(config: TrainConfig) -> None:
+    """--replan_budgets: hybrid only, with a basis refresh to re-plan at."""
+    if not config.replan_budgets:
+        return
+    if config.mode != 'hybrid' or not config.basis_refresh_steps:
+        raise flag_error('replan_budgets', 'false unless --mode=hybrid with '
+                         '--basis_refresh_steps >= 1', config.replan_budgets)
+
+
 def check_noise_objective(config: TrainConfig) -> None:
     """--noise_objective: hybrid only, with the per-block noise optimised."""
     check_choice('noise_objective', config.noise_objective, NOISE_OBJECTIVES)
@@ -320,9 +331,9 @@ def check_noise_objective(config: TrainConfig) -> None:
 
 
 def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
-    """--budget_split, --budget_quantile, --noise_objective and
-    --principal_coordinate_sampling_rate (how the blocks' clips, noise and
-    masks are planned), only when not the defaults:
+    """--budget_split, --budget_quantile, --noise_objective,
+    --principal_coordinate_sampling_rate and --replan_budgets (how the
+    blocks' clips, noise and masks are planned), only when not the defaults:
     records written before these flags existed stay equal to the default
     run's (resumes and stored results stay valid)."""
     settings: Dict[str, Any] = {}
@@ -335,6 +346,8 @@ def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
     if config.principal_coordinate_sampling_rate is not None:
         settings['principal_coordinate_sampling_rate'] = float(
             config.principal_coordinate_sampling_rate)
+    if config.replan_budgets:
+        settings['replan_budgets'] = True
     return settings
 
 

@@ -118,6 +118,9 @@ def test_nonprivate_mode_makes_no_claim(digits):
      '--principal_coordinate_sampling_rate'),
     (dict(mode='hybrid', principal_coordinate_sampling_rate=0.0),
      '--principal_coordinate_sampling_rate'),
+    (dict(mode='twice', replan_budgets=True), '--replan_budgets'),
+    (dict(mode='hybrid', replan_budgets=True, basis_refresh_steps=0),
+     '--replan_budgets'),
     (dict(mode='hybrid', noise_objective='curvature'), '--noise_objective'),
     (dict(mode='twice', noise_objective='public_fisher'), '--noise_objective'),
     (dict(mode='hybrid', noise_multiplier=1.0, target_epsilon=None,
@@ -223,6 +226,20 @@ def test_hybrid_mode_with_unmasked_principal_blocks():
     assert results['coordinate_sampling_rate'] == [1.0, 0.5]
     check_private(results, 3)  # The statement agrees with the ledger.
     assert 'q2 = (1, 0.5)' in results['statement']
+
+
+def test_hybrid_mode_with_replanned_budgets():
+    data = data_lib.load_data('digits', public_examples=50)
+    plain = runner.train(HYBRID, data=data)  # A refresh every 2 steps.
+    results = runner.train(dict(HYBRID, replan_budgets=True), data=data)
+    # The same event (clips as planned, noise, epsilon); the clips the
+    # mechanism ran last are re-split from the public gradients.
+    for key in ('l2_norm_clip', 'noise_multiplier', 'epsilon'):
+        assert results[key] == plain[key]
+    clips = results['replanned_l2_norm_clip']
+    assert sum(c**2 for c in clips) == pytest.approx(1.0)
+    assert clips != pytest.approx(results['l2_norm_clip'])
+    check_private(results, 3)
 
 
 def test_data_given_must_match_the_public_split(digits):

@@ -333,10 +333,6 @@ def test_plan_blocks_refuses_bad_budget_splits(basis_and_public):
                             budget_split='variance_optimal', **BUDGET)
 
 
-if __name__ == '__main__':
-    raise SystemExit(pytest.main([__file__]))
-
-
 def _noise_stds(config):
     return np.array([b.noise_multiplier * b.l2_norm_clip
                      for b in config.blocks])
@@ -439,3 +435,62 @@ def test_a_template_rate_is_the_residuals():
     assert budgets.plan_blocks(
         config, basis, public, principal_coordinate_sampling_rate=1.0,
         **BUDGET).coordinate_sampling_rates == (1.0, 1.0, 0.25)
+
+
+@pytest.mark.parametrize('split', splits.BUDGET_SPLITS)
+def test_a_replan_at_the_plans_own_gradients_keeps_its_clips(
+        basis_and_public, split):
+    # With one z on every block the plan's noise model is the re-plan's
+    # (z_j fixed), so every policy re-splits the same statistics the same
+    # way, also with unmasked principal blocks.
+    basis, public = basis_and_public
+    for rate in (None, 1.0):
+        planned = budgets.plan_blocks(
+            _one_block(l2_norm_clip=2.0, noise_multiplier=1.3), basis,
+            public, budget_split=split,
+            principal_coordinate_sampling_rate=rate)
+        np.testing.assert_allclose(budgets.replanned_block_scales(
+            planned, basis, public, budget_split=split), 1.0, rtol=1e-9)
+
+
+def test_a_replan_follows_the_public_norms_at_the_same_epsilon(
+        basis_and_public):
+    basis, public = basis_and_public
+    planned = budgets.plan_blocks(_one_block(linf_norm_clip=0.05), basis,
+                                  public, **BUDGET)
+    # Later in training: the gradients left the principal subspace.
+    moved = (_public(seed=3) * 0.2
+             + np.random.default_rng(4).standard_normal(public.shape)
+             ).astype(np.float32)
+    scales = np.array(budgets.replanned_block_scales(planned, basis, moved))
+    clips = scales * planned.l2_norm_clips
+    stats = block_statistics.public_block_statistics(basis, moved,
+                                                     clip_norm=1.0)
+    np.testing.assert_allclose(clips, splits.split_l2_budget(
+        1.0, splits.floored(stats.mean_norms)), rtol=1e-9)
+    assert clips[-1] > 2 * planned.l2_norm_clips[-1]
+    # The mechanism the scales run: every block's clips and noise scaled by
+    # s_j, so z_j and d0_j are the plan's and so is epsilon.
+    rescaled = attr.evolve(planned, blocks=tuple(
+        attr.evolve(b, l2_norm_clip=b.l2_norm_clip * s,
+                    linf_norm_clip=b.linf_norm_clip * s)
+        for b, s in zip(planned.blocks, scales)))
+    assert rescaled.epsilon(200, 1e-5) == pytest.approx(
+        planned.epsilon(200, 1e-5), rel=1e-12)
+
+
+def test_replanned_block_scales_refusals(basis_and_public):
+    basis, public = basis_and_public
+    with pytest.raises(ValueError, match='one Block per basis block'):
+        budgets.replanned_block_scales(_one_block(noise_multiplier=1.0),
+                                       basis, public)
+    planned = budgets.plan_blocks(_one_block(), basis, public, **BUDGET)
+    with pytest.raises(ValueError, match='budget_quantile applies only'):
+        budgets.replanned_block_scales(planned, basis, public,
+                                       budget_quantile=0.5)
+    with pytest.raises(ValueError, match='basis must be'):
+        budgets.replanned_block_scales(planned, None, public)
+
+
+if __name__ == '__main__':
+    raise SystemExit(pytest.main([__file__]))

@@ -28,7 +28,9 @@ from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import calibrate_noise_multiplier
 from tf_twice.accounting.statement import hybrid_noise_variance_ratio
 from tf_twice.config import Block, TwiceSamplingConfig
+from tf_twice.hybrid import block_statistics
 from tf_twice.hybrid import budgets
+from tf_twice.hybrid.budget_splits import floored, split_l2_budget
 from tf_twice.hybrid import learning
 import tf_twice.keras as tf_twice_keras
 from tf_twice.keras import DPModel, PrivacyLedger
@@ -79,15 +81,18 @@ UNMASKED_PRINCIPAL = attr.evolve(HYBRID, blocks=tuple(
 
 
 @markers.needs_tf_privacy_optimizers
-@pytest.mark.parametrize('physical_batch_size, config', [
-    (8, HYBRID), (3, HYBRID), (3, UNMASKED_PRINCIPAL)])
+@pytest.mark.parametrize('physical_batch_size, config, block_scales', [
+    (8, HYBRID, None), (3, HYBRID, (2.0, 0.5, 1.5)),
+    (3, UNMASKED_PRINCIPAL, None)])
 def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size,
-                                                      config):
+                                                      config, block_scales):
     basis = _basis()
     x, y = _data(8, seed=2)
     reference = _optimizer_path(basis, physical_batch_size, config=config)
+    reference.set_basis(basis, block_scales=block_scales)
     tiny_models.one_step(reference, x, y)
     dp = _fast(basis, physical_batch_size, config=config)
+    dp.set_basis(basis, block_scales=block_scales)
     tiny_models.one_step(dp, x, y)
     assert not np.allclose(_weights(dp)[0], _weights(_mlp())[0])
     _assert_all_close(_weights(dp), _weights(reference))
@@ -192,6 +197,48 @@ def test_basis_refresh_callback_drives_set_basis_in_fit():
     assert refresh.refresh_count == 3  # before steps 0, 2 and 4
     assert dp.basis is refresh.basis
     assert len(traces) <= 2  # the first trace creates the optimizer's vars
+
+
+def test_replanned_budgets_follow_the_public_norms_at_the_same_epsilon():
+    public = _data(32, seed=1)
+    inner = _mlp()
+    learn = dict(ranks=RANKS, groups=GROUPS)
+    grads = basis_refresh.public_per_example_gradients(inner, _loss(),
+                                                       *public)
+    basis = learning.learn_basis(grads, **learn)
+    config = budgets.plan_blocks(
+        TwiceSamplingConfig.single(
+            num_examples=NUM_EXAMPLES, expected_batch_size=6.0,
+            l2_norm_clip=0.6, coordinate_sampling_rate=0.5),
+        basis, grads, target_epsilon=3.0, delta=DELTA, steps=5)
+    dp = _fast(basis, 4, model=inner, config=config)
+    seen = []
+
+    def set_basis(basis, *, block_scales):
+        seen.append((_weights(inner), basis, block_scales))
+        dp.set_basis(basis, block_scales=block_scales)
+
+    refresh = basis_refresh.BasisRefresh(
+        inner, public, _loss(), every_steps=2, on_refresh=set_basis,
+        replan_config=dp.config, budget_split='projection_norms', **learn)
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
+    dp.fit(_poisson(steps=5), callbacks=[ledger, refresh], verbose=0)
+    # The event, so epsilon, is the plan's; the mechanism's clips follow
+    # the public projection norms at each refresh's weights.
+    assert ledger.epsilon == pytest.approx(config.epsilon(5, DELTA),
+                                           rel=1e-12)
+    assert len(seen) == 3
+    assert dp.aggregator.block_scales == seen[-1][2]
+    for weights, basis, scales in seen:
+        model = _mlp()
+        model.set_weights(weights)
+        norms = block_statistics.public_block_statistics(
+            basis, basis_refresh.public_per_example_gradients(
+                model, _loss(), *public), clip_norm=0.6).mean_norms
+        np.testing.assert_allclose(
+            np.multiply(scales, config.l2_norm_clips),
+            split_l2_budget(0.6, floored(norms)), rtol=1e-6)
+    assert not np.allclose(seen[-1][2], 1.0, atol=1e-3)
 
 
 def test_set_basis_refuses_another_structure_or_no_basis():

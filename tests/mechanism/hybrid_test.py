@@ -4,7 +4,9 @@ tests/keras/hybrid_training_test.py."""
 
 import math
 
+import attr
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.hybrid_setup import basis as _basis
@@ -138,6 +140,53 @@ def test_without_a_basis_the_step_is_the_single_block_step():
         coordinate_sampling_rate=0.5, key=key)
     for a, b in zip(update, want):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_block_scales_run_the_config_with_scaled_clips():
+    # Block j divided by s_j, clipped, masked, noised and multiplied back:
+    # the step of the config whose clips (l2 and l-infinity) and noise std
+    # are s_j times larger, same key, so same masks and noise draws.
+    basis, params = _basis(), _params()
+    scales = (2.0, 0.25, 0.7)
+    scaled = TwiceSamplingConfig(
+        num_examples=params.num_examples,
+        expected_batch_size=params.expected_batch_size,
+        coordinate_sampling_rate=params.coordinate_sampling_rate,
+        blocks=tuple(attr.evolve(
+            b, l2_norm_clip=b.l2_norm_clip * s,
+            linf_norm_clip=None if b.linf_norm_clip is None
+            else b.linf_norm_clip * s) for b, s in zip(params.blocks, scales)))
+    grads = _random_grads(7, basis.variable_shapes, seed=4, scale=1.5)
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(3))
+    updates = []
+    for config, block_scales in ((params, tf.constant(scales, tf.float64)),
+                                 (scaled, None)):
+        sums = hybrid.block_sums(grads, config, basis=basis, key=key,
+                                 block_scales=block_scales)
+        updates.append(hybrid.noisy_update(
+            sums, config, basis=basis, key=key, block_scales=block_scales))
+    unscaled = hybrid.noisy_update(
+        hybrid.block_sums(grads, params, basis=basis, key=key), params,
+        basis=basis, key=key)
+    for a, b, c in zip(*updates, unscaled):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5,
+                                   atol=1e-6)
+        assert not np.allclose(a.numpy(), c.numpy())
+
+
+def test_block_scales_are_checked_and_kept_across_a_basis_assignment():
+    basis = _basis()
+    holder = hybrid.BasisVariables(basis)
+    np.testing.assert_array_equal(holder.block_scales.numpy(), [1, 1, 1])
+    holder.assign(basis, (2.0, 0.5, 1.5))
+    holder.assign(_basis(seed=3))  # A refresh without scales keeps them.
+    np.testing.assert_array_equal(holder.block_scales.numpy(),
+                                  [2.0, 0.5, 1.5])
+    for bad in ((1.0, 1.0), (1.0, 0.0, 1.0), (1.0, float('nan'), 1.0)):
+        with pytest.raises(ValueError, match='block_scales must be 3 finite'):
+            holder.assign(basis, bad)
+    np.testing.assert_array_equal(holder.block_scales.numpy(),
+                                  [2.0, 0.5, 1.5])
 
 
 def test_noise_of_every_block_has_its_own_std_and_is_independent():

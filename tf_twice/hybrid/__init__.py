@@ -5,7 +5,8 @@ gradients; ``budgets.plan_blocks`` turns a one-block ``TwiceSamplingConfig``
 and that basis into the per-block config that training runs (the global l2
 budget split over blocks by one of ``budget_splits.BUDGET_SPLITS``, from the
 public statistics of ``block_statistics``; l-infinity clips; per-block noise
-optimised for a budget); ``diagnostics.gradient_geometry`` measures the
+optimised for a budget), and ``budgets.replanned_block_scales`` re-splits
+that budget at a basis refresh, at the same epsilon; ``diagnostics.gradient_geometry`` measures the
 per-example geometry that hybrid clipping exploits;
 ``gradients.read_gradients`` is the one reader of public per-example
 gradients they share. The training step that uses basis and config is
@@ -22,6 +23,7 @@ from tf_twice.hybrid.budget_splits import variance_optimal_l2_budget
 from tf_twice.hybrid.budgets import hybrid_noise_multipliers
 from tf_twice.hybrid.budgets import linf_clips_from_d0
 from tf_twice.hybrid.budgets import plan_blocks
+from tf_twice.hybrid.budgets import replanned_block_scales
 from tf_twice.hybrid.diagnostics import GradientGeometry
 from tf_twice.hybrid.diagnostics import coordinate_significance
 from tf_twice.hybrid.diagnostics import gradient_geometry

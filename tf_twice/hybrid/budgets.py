@@ -47,6 +47,7 @@ __all__ = [
     'hybrid_noise_multipliers',
     'linf_clips_from_d0',
     'plan_blocks',
+    'replanned_block_scales',
 ]
 
 # What plan_blocks's per-block noise minimises (its docstring).
@@ -271,13 +272,8 @@ def plan_blocks(
     c = template.l2_norm_clip
     statistics = block_statistics.public_block_statistics(
         basis, public_gradients, clip_norm=c)
-    if budget_split == 'projection_norms':
-        l2 = budget_splits.split_l2_budget(
-            c, budget_splits.floored(statistics.mean_norms))
-    elif budget_split == 'quantile':
-        l2 = budget_splits.quantile_l2_budget(
-            c, statistics.per_example_norms, budget_quantile)
-    else:
+    noise_model, noise_std = None, 0.0
+    if budget_split == 'variance_optimal':
         if template.noise_multiplier is not None:
             z, noise_model = template.noise_multiplier, 'shared'
         else:
@@ -290,13 +286,12 @@ def plan_blocks(
                 orders=orders, conversion=conversion)
             z, noise_model = calibrated.noise_multipliers[0], 'per_block'
         # The update is divided by B q2 (config.TwiceSamplingConfig).
-        l2 = budget_splits.variance_optimal_l2_budget(
-            c, statistics.alignments, statistics.direction_energies,
-            basis.block_dimensions, noise=noise_model,
-            noise_std=z / (config.expected_batch_size *
-                           config_lib.effective_coordinate_sampling_rate(
-                               rates[-1])),
-            noise_scales=noise_scales)
+        noise_std = z / (config.expected_batch_size *
+                         config_lib.effective_coordinate_sampling_rate(
+                             rates[-1]))
+    l2 = _split_budget(c, statistics, basis, budget_split, budget_quantile,
+                       noise_model=noise_model, noise_std=noise_std,
+                       noise_scales=noise_scales)
     d0s = [min(principal_d0, r) for r in basis.ranks]
     if template.linf_norm_clip is not None:
         d0s.append(max(1.0, (l2[-1] / template.linf_norm_clip)**2))
@@ -324,3 +319,86 @@ def plan_blocks(
         for c2, c_inf, z, r, q2 in zip(l2, linf, noise,
                                        basis.block_dimensions, block_rates)))
 
+
+def _split_budget(c: float, statistics, basis: basis_lib.HybridBasis,
+                  budget_split: str, budget_quantile: Optional[float], *,
+                  noise_model: Optional[str], noise_std: float,
+                  noise_scales: np.ndarray) -> Tuple[float, ...]:
+    """c split over the blocks by ``budget_split`` (``plan_blocks``)."""
+    if budget_split == 'projection_norms':
+        return budget_splits.split_l2_budget(
+            c, budget_splits.floored(statistics.mean_norms))
+    if budget_split == 'quantile':
+        return budget_splits.quantile_l2_budget(
+            c, statistics.per_example_norms, budget_quantile)
+    return budget_splits.variance_optimal_l2_budget(
+        c, statistics.alignments, statistics.direction_energies,
+        basis.block_dimensions, noise=noise_model, noise_std=noise_std,
+        noise_scales=noise_scales)
+
+
+def replanned_block_scales(
+        config: config_lib.TwiceSamplingConfig,
+        basis: basis_lib.HybridBasis,
+        public_gradients,
+        *,
+        budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT,
+        budget_quantile: Optional[float] = None) -> Tuple[float, ...]:
+    """Block scales s_j that re-split a planned config's l2 budget from
+    PUBLIC gradients at the current model, at the same epsilon.
+
+    The clips s_j c2_j split the same total c = sqrt(sum_j c2_j^2) by
+    ``budget_split`` (as ``plan_blocks`` does, from the statistics of
+    ``public_gradients``; 'variance_optimal' models the config's own z_j,
+    fixed). Every block keeps its noise multiplier z_j and d0_j = (c2_j /
+    c_inf_j)^2: the mechanism scales block j's l2 and l-infinity clips and
+    its noise by s_j (``BasisHolder.set_basis(basis, block_scales=...)``),
+    which is post-processing of the config's own event
+    (``tf_twice.mechanism.hybrid.split_into_blocks``), so the ledger's
+    epsilon does not change. A block's RDP depends on z_j, d0_j, its rate
+    and dimension only, not on the scale of c2_j.
+
+    Args:
+      config: the hybrid config training runs (one Block per basis block,
+        noise multipliers set), e.g. from ``plan_blocks``.
+      basis: the basis the next steps use (learned from public data).
+      public_gradients: PUBLIC per-example gradients at the current model,
+        as in ``plan_blocks``.
+      budget_split, budget_quantile: as in ``plan_blocks``.
+
+    Returns:
+      s_j > 0 per block (principal blocks, then the residual).
+
+    Raises:
+      ValueError: a config without one block per basis block or without
+        noise multipliers, or bad split arguments (named).
+    """
+    if not isinstance(config, config_lib.TwiceSamplingConfig):
+        raise ValueError('config must be a tf_twice.TwiceSamplingConfig; got '
+                         f'{type(config).__name__}.')
+    if not isinstance(basis, basis_lib.HybridBasis):
+        raise ValueError('basis must be a tf_twice HybridBasis; got '
+                         f'{type(basis).__name__}.')
+    if config.num_blocks != basis.num_blocks or not config.is_calibrated:
+        raise ValueError(
+            f'config must have one Block per basis block ({basis.num_blocks})'
+            ' and its noise multipliers (plan_blocks\'s result); got '
+            f'{config.num_blocks} blocks, noise multipliers '
+            f'{config.noise_multipliers}.')
+    budget_quantile = budget_splits.check_budget_split(budget_split,
+                                                     budget_quantile)
+    clips = np.asarray(config.l2_norm_clips, dtype=np.float64)
+    c = float(np.sqrt(np.sum(clips ** 2)))
+    statistics = block_statistics.public_block_statistics(
+        basis, public_gradients, clip_norm=c)
+    # Block j's update noise std per unit clip, z_j / (B q2_j), relative to
+    # the residual's.
+    z = np.asarray(config.noise_multipliers, dtype=np.float64)
+    q2 = np.array([config_lib.effective_coordinate_sampling_rate(q)
+                   for q in config.coordinate_sampling_rates])
+    noise_std = z[-1] / (config.expected_batch_size * q2[-1])
+    noise_scales = (z / z[-1]) * (q2[-1] / q2)
+    l2 = _split_budget(c, statistics, basis, budget_split, budget_quantile,
+                       noise_model='shared', noise_std=noise_std,
+                       noise_scales=noise_scales)
+    return tuple(float(s) for s in np.asarray(l2) / clips)

@@ -17,7 +17,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_twice import config as config_lib
 from tf_twice._validate import integer as _check_int
+from tf_twice.hybrid import budget_splits
+from tf_twice.hybrid.budgets import replanned_block_scales
 from tf_twice.hybrid.learning import group_matrices
 from tf_twice.hybrid.learning import learn_basis
 from tf_twice.keras import per_example
@@ -129,10 +132,19 @@ class BasisRefresh(tf.keras.callbacks.Callback):
     runs ``learn_basis``; the result is in ``self.basis`` and is passed to
     ``on_refresh`` (e.g. to assign it to the variables the DP step reads).
 
+    With ``replan_config`` (the hybrid config training runs) every refresh
+    also re-splits its l2 budget over the blocks from the same public
+    gradients (``tf_twice.hybrid.replanned_block_scales``, by
+    ``budget_split``), at fixed noise multipliers and d0_j: the scales are
+    in ``self.block_scales`` and ``on_refresh`` is called as
+    ``on_refresh(basis, block_scales=...)``, as ``set_basis`` takes them.
+    The accounted event, and so epsilon, do not change.
+
     Privacy: the refresh reads only public data and the current model, which
-    is itself the output of the DP training so far; the basis is therefore
-    post-processing and costs no privacy. Do not give it private examples.
-    Refresh k uses seed ``seed + k``, so a run is reproducible.
+    is itself the output of the DP training so far; the basis (and the
+    scales) are therefore post-processing and cost no privacy. Do not give
+    it private examples. Refresh k uses seed ``seed + k``, so a run is
+    reproducible.
 
     Args:
       model: the model whose ``trainable_variables`` the basis covers (for a
@@ -142,6 +154,10 @@ class BasisRefresh(tf.keras.callbacks.Callback):
       every_steps: K >= 1.
       on_refresh: optional callable(basis) run after each refresh.
       batch_size, training: as in ``public_per_example_gradients``.
+      replan_config: None, or the config whose budget every refresh
+        re-splits (one Block per basis block, noise multipliers set).
+      budget_split, budget_quantile: the re-split's policy
+        (``plan_blocks``); only with ``replan_config``.
       **learn_kwargs: ``learn_basis`` arguments (ranks, groups, ...).
     """
 
@@ -155,6 +171,10 @@ class BasisRefresh(tf.keras.callbacks.Callback):
                  batch_size: int = 256,
                  training: bool = True,
                  seed: int = 0,
+                 replan_config: Optional[
+                     config_lib.TwiceSamplingConfig] = None,
+                 budget_split: Optional[str] = None,
+                 budget_quantile: Optional[float] = None,
                  **learn_kwargs):
         super().__init__()
         self._every = _check_int('every_steps', every_steps, 1)
@@ -163,6 +183,18 @@ class BasisRefresh(tf.keras.callbacks.Callback):
         if 'seed' in learn_kwargs or 'public_gradients' in learn_kwargs:
             raise ValueError('learn_kwargs must not set seed or '
                              'public_gradients.')
+        if replan_config is None and (budget_split, budget_quantile) != (
+                None, None):
+            raise ValueError('budget_split and budget_quantile re-split a '
+                             'budget: give them with replan_config only.')
+        if replan_config is not None:
+            if not isinstance(replan_config, config_lib.TwiceSamplingConfig):
+                raise ValueError(
+                    'replan_config must be a tf_twice.TwiceSamplingConfig; '
+                    f'got {type(replan_config).__name__}.')
+            budget_split = budget_split or budget_splits.DEFAULT_BUDGET_SPLIT
+            budget_splits.check_budget_split(budget_split, budget_quantile)
+        self._replan = (replan_config, budget_split, budget_quantile)
         x, y = public_data
         self._basis_model = model
         self._x, self._y = x, y
@@ -173,17 +205,27 @@ class BasisRefresh(tf.keras.callbacks.Callback):
         self._step = 0
         self.refresh_count = 0
         self.basis: Optional[HybridBasis] = None
+        self.block_scales: Optional[Tuple[float, ...]] = None
 
     def refresh(self) -> HybridBasis:
-        """Learns a basis now from the public data and current weights."""
+        """Learns a basis (and, with ``replan_config``, block scales) now
+        from the public data and current weights."""
         grads = public_per_example_gradients(
             self._basis_model, self._loss, self._x, self._y,
             batch_size=self._batch_size, training=self._training)
         self.basis = learn_basis(grads, seed=self._seed + self.refresh_count,
                                  **self._learn_kwargs)
         self.refresh_count += 1
+        config, budget_split, budget_quantile = self._replan
+        if config is not None:
+            self.block_scales = replanned_block_scales(
+                config, self.basis, grads, budget_split=budget_split,
+                budget_quantile=budget_quantile)
         if self._on_refresh is not None:
-            self._on_refresh(self.basis)
+            if config is None:
+                self._on_refresh(self.basis)
+            else:
+                self._on_refresh(self.basis, block_scales=self.block_scales)
         return self.basis
 
     def on_train_batch_begin(self, batch, logs=None):

@@ -26,7 +26,7 @@ runs (checkpoints.md) and replicas (distributed.md). ``compile`` refuses
 ``jit_compile=True``: XLA drops the run-time check of per-example weights.
 """
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import tensorflow as tf
 # Keeps every gradient tape off the wrapped model's forward pass in `call`,
@@ -227,8 +227,10 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
         aggregator = self.aggregator
         return None if aggregator is None else aggregator.basis
 
-    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
-        """Uses ``basis`` from the next step on, without retracing
+    def set_basis(self, basis: basis_lib.HybridBasis, *,
+                  block_scales: Optional[Sequence[float]] = None) -> None:
+        """Uses ``basis`` (and ``block_scales``: ``BasisHolder.set_basis``)
+        from the next step on, without retracing
         (``PrivateAggregator.set_basis``); gives a DPModel rebuilt from an
         artifact the basis that no artifact holds."""
         aggregator = self._require_aggregator()
@@ -236,7 +238,7 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
         if self.inner_model.built:
             hybrid.check_basis_matches_variables(
                 basis, self.inner_model.trainable_variables)
-        aggregator.set_basis(basis)
+        aggregator.set_basis(basis, block_scales=block_scales)
 
     @property
     def steps_taken(self) -> tf.Tensor:

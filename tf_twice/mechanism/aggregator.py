@@ -163,12 +163,13 @@ class PrivateAggregator(hybrid.BasisHolder):
                 'trained with, saved by HybridBasis.save and read back by '
                 'tf_twice.mechanism.basis.HybridBasis.load(path).')
 
-    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
+    def set_basis(self, basis: basis_lib.HybridBasis, *,
+                  block_scales: Optional[Sequence[float]] = None) -> None:
         """``BasisHolder.set_basis``; while ``awaiting_basis``, gives the
         mechanism its basis, whose block dimensions must be the config's
         (the event the ledger may have accounted already)."""
         if not self._awaiting_basis:
-            super().set_basis(basis)
+            super().set_basis(basis, block_scales=block_scales)
             return
         hybrid.check_block_params(self._config, basis)
         self._config.with_dimensions(basis.block_dimensions)  # Must agree.
@@ -176,16 +177,19 @@ class PrivateAggregator(hybrid.BasisHolder):
                  and not tf.distribute.has_strategy()
                  else contextlib.nullcontext())
         with scope:
-            self._basis_variables = hybrid.BasisVariables(basis)
+            variables = hybrid.BasisVariables(basis)
+            variables.assign(basis, block_scales)
+        self._basis_variables = variables
         self._awaiting_basis = False
 
     def _basis_and_matrices(self, variables: Sequence[tf.Variable]):
         self.require_basis()
         basis = self.basis
         if basis is None:
-            return None, None
+            return None, None, None
         hybrid.check_basis_matches_variables(basis, variables)
-        return basis, self._basis_variables.variables
+        return (basis, self._basis_variables.variables,
+                self._basis_variables.block_scales)
 
     def check_variables(self, variables: Sequence[tf.Variable]) -> None:
         """Refuses trainable variables that the mechanism's event does not
@@ -251,9 +255,10 @@ class PrivateAggregator(hybrid.BasisHolder):
         Each row is an example computed in isolation: a non-finite row
         contributes nothing and changes no other row.
         """
-        basis, matrices = self._basis_and_matrices(variables)
+        basis, matrices, scales = self._basis_and_matrices(variables)
         chunk = hybrid.block_sums(per_example_grads, self._config,
                                   basis=basis, matrices=matrices,
+                                  block_scales=scales,
                                   weights=weights, key=key,
                                   example_offset=example_offset)
         return [[s + tf.cast(c, s.dtype) for s, c in zip(block, chunk_block)]
@@ -273,12 +278,13 @@ class PrivateAggregator(hybrid.BasisHolder):
         updates is exactly replica 0's: one copy of the noise, and no
         replica's noise-free share rounded before the sum.
         """
-        basis, matrices = self._basis_and_matrices(variables)
+        basis, matrices, scales = self._basis_and_matrices(variables)
         context, _ = _replica_context()
         if context is not None:
             sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
         update = hybrid.noisy_update(
-            sums, self._config, basis=basis, matrices=matrices, key=key,
+            sums, self._config, basis=basis, matrices=matrices,
+            block_scales=scales, key=key,
             noise_dtype=precision.accumulation_dtype(
                 *(v.dtype for v in variables)))
         update = [tf.cast(u, tf.as_dtype(v.dtype))

@@ -11,7 +11,9 @@ parameter groups):
 1. a_i = U^T g_i (principal block j: the coefficients along U_j, one tensor
    per parameter group) and r_i = g_i - U a_i (the residual, one tensor of
    d_g natural coordinates per group);
-2. block j is clipped to l2 <= c2_j, then every coordinate to c_inf_j;
+2. block j is clipped to l2 <= c2_j, then every coordinate to c_inf_j
+   (times s_j, the block's public scale, all 1 unless a re-plan set them:
+   ``split_into_blocks``);
 3. every coordinate of block j is kept with probability q2_j (the config's
    q2 unless the block sets its own; independent masks: each block draws
    from its own Philox streams);
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from tf_twice import config as config_lib
@@ -130,6 +133,9 @@ class BasisVariables:
             self._variables = tuple(
                 tf.Variable(m, trainable=False, name=f'{name}_group_{g}')
                 for g, m in enumerate(basis.group_matrices))
+            self._block_scales = tf.Variable(
+                np.ones(basis.num_blocks), dtype=tf.float64, trainable=False,
+                name=f'{name}_block_scales')
 
     @property
     def basis(self) -> basis_lib.HybridBasis:
@@ -141,8 +147,16 @@ class BasisVariables:
         """U_g per group, [d_g, k_g] float32."""
         return self._variables
 
-    def assign(self, basis: basis_lib.HybridBasis) -> None:
-        """Writes ``basis`` into the variables.
+    @property
+    def block_scales(self) -> tf.Variable:
+        """s_j per block, [m] float64 (``split_into_blocks``); all 1 until
+        ``assign`` is given others."""
+        return self._block_scales
+
+    def assign(self, basis: basis_lib.HybridBasis,
+               block_scales: Optional[Sequence[float]] = None) -> None:
+        """Writes ``basis`` (and ``block_scales``, if given; else the
+        current scales stay) into the variables.
 
         Raises:
           ValueError: ``basis`` is not a HybridBasis of the same structure
@@ -158,9 +172,30 @@ class BasisVariables:
                 f'{basis.group_ranks} and groups {basis.groups}, expected '
                 f'{self._basis.group_ranks} and {self._basis.groups}. Learn '
                 'it with the same ranks, groups and rank_split.')
+        if block_scales is not None:
+            block_scales = check_block_scales(block_scales, basis.num_blocks)
         for variable, matrix in zip(self._variables, basis.group_matrices):
             variable.assign(matrix)
+        if block_scales is not None:
+            self._block_scales.assign(block_scales)
         self._basis = basis
+
+
+def check_block_scales(block_scales: Sequence[float],
+                       num_blocks: int) -> np.ndarray:
+    """``block_scales`` as float64 [num_blocks], each finite and > 0.
+
+    Raises:
+      ValueError: naming the argument and the allowed range.
+    """
+    scales = np.asarray(block_scales, dtype=np.float64)
+    if scales.shape != (num_blocks,) or not np.all(
+            np.isfinite(scales)) or np.any(scales <= 0):
+        raise ValueError(
+            f'block_scales must be {num_blocks} finite numbers > 0, one per '
+            f'block (principal blocks, then the residual); got '
+            f'{block_scales!r}.')
+    return scales
 
 
 class BasisHolder:
@@ -176,12 +211,25 @@ class BasisHolder:
         holder = self._basis_variables
         return None if holder is None else holder.basis
 
-    def set_basis(self, basis: basis_lib.HybridBasis) -> None:
+    @property
+    def block_scales(self) -> Optional[Tuple[float, ...]]:
+        """s_j, the scales of the blocks' clips and noise the next step
+        uses (``set_basis``; None: one block)."""
+        holder = self._basis_variables
+        return None if holder is None else tuple(
+            float(s) for s in holder.block_scales.numpy())
+
+    def set_basis(self, basis: basis_lib.HybridBasis, *,
+                  block_scales: Optional[Sequence[float]] = None) -> None:
         """Uses ``basis`` from the next step on, without retracing.
 
         Assigns its matrices to the fixed-shape variables the traced step
         reads. Usable as ``BasisRefresh(..., on_refresh=holder.set_basis)``.
         The basis must come from public data and the current model only.
+        ``block_scales`` (s_j > 0 per block; None keeps the current ones, at
+        first all 1) rescale the blocks' clips at the same accounted event
+        (``split_into_blocks``); they too must come from public data and the
+        current model only (``tf_twice.hybrid.replanned_block_scales``).
 
         Raises:
           ValueError: built without a basis, or ``basis`` has another
@@ -193,12 +241,13 @@ class BasisHolder:
                 f'set_basis needs a {type(self).__name__} built with '
                 'basis=...: its blocks and per-block parameters are fixed at '
                 'construction.')
-        self._basis_variables.assign(basis)
+        self._basis_variables.assign(basis, block_scales)
 
 
 def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
                       basis: Optional[basis_lib.HybridBasis] = None,
-                      matrices: Optional[Sequence[tf.Variable]] = None
+                      matrices: Optional[Sequence[tf.Variable]] = None,
+                      block_scales: Optional[tf.Tensor] = None
                       ) -> BlockSums:
     """Per-example gradients -> the blocks of step 1.
 
@@ -206,6 +255,14 @@ def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
     block ``per_example_grads``; else principal block j as one [B, r_{g,j}]
     tensor per group, then the residual as one [B, d_g] tensor per group.
     ``matrices`` replaces the basis's matrices (see ``HybridBasis.project``).
+
+    ``block_scales`` (s_j > 0, [m]) divides block j by s_j, and
+    ``noisy_update`` multiplies its noisy sum by s_j: block j is then clipped
+    at s_j c2_j (and s_j c_inf_j) with noise std z_j s_j c2_j, while the
+    released sums are s_j times those of the config's mechanism run on the
+    inputs a / s_j. For scales from public data and the current model (like
+    the basis) that is post-processing of the config's event, so the scales
+    re-split the clips at the same epsilon.
     """
     grads = [tf.convert_to_tensor(g) for g in per_example_grads]
     if basis is None:
@@ -216,8 +273,12 @@ def split_into_blocks(per_example_grads: Sequence[tf.Tensor],
     dtype = precision.accumulation_dtype(*(g.dtype for g in grads))
     grads = [tf.cast(g, dtype) for g in grads]
     projection = basis.project(basis.flatten(grads), matrices)
-    return ([list(c) for c in projection.coefficients]
-            + [list(projection.residual)])
+    blocks = ([list(c) for c in projection.coefficients]
+              + [list(projection.residual)])
+    if block_scales is None:
+        return blocks
+    return [[t / tf.cast(block_scales[j], t.dtype) for t in block]
+            for j, block in enumerate(blocks)]
 
 
 def zero_block_sums(variables: Sequence[tf.Variable],
@@ -239,6 +300,7 @@ def block_sums(per_example_grads: Sequence[tf.Tensor],
                *,
                basis: Optional[basis_lib.HybridBasis] = None,
                matrices: Optional[Sequence[tf.Variable]] = None,
+               block_scales: Optional[tf.Tensor] = None,
                weights: Optional[tf.Tensor] = None,
                key: Optional[tf.Tensor] = None,
                example_offset=0,
@@ -252,6 +314,7 @@ def block_sums(per_example_grads: Sequence[tf.Tensor],
       basis: the hybrid-clipping basis, or None (one block).
       matrices: the tf.Variables holding the basis (``BasisVariables``), or
         None to use ``basis.group_matrices``.
+      block_scales: s_j per block (``split_into_blocks``), or None (all 1).
       weights, key, example_offset, masks, jit_compile: as in
         ``aggregation.clipped_masked_block_sums``.
 
@@ -260,7 +323,8 @@ def block_sums(per_example_grads: Sequence[tf.Tensor],
       norm <= c2_j with coordinates in [-c_inf_j, c_inf_j].
     """
     check_block_params(config, basis)
-    blocks = split_into_blocks(per_example_grads, basis, matrices)
+    blocks = split_into_blocks(per_example_grads, basis, matrices,
+                               block_scales)
     return aggregation.clipped_masked_block_sums(
         blocks,
         l2_norm_clips=config.l2_norm_clips,
@@ -278,6 +342,7 @@ def noisy_update(sums: BlockSums,
                  *,
                  basis: Optional[basis_lib.HybridBasis] = None,
                  matrices: Optional[Sequence[tf.Variable]] = None,
+                 block_scales: Optional[tf.Tensor] = None,
                  key: Optional[tf.Tensor] = None,
                  noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
                  noise_dtype: tf.DType = precision.BATCH_SUM_DTYPE
@@ -287,7 +352,7 @@ def noisy_update(sums: BlockSums,
     Args:
       sums: the ``block_sums`` of a whole logical batch, added over its
         chunks in float64 (``zero_block_sums``).
-      config, basis, matrices: as in ``block_sums``.
+      config, basis, matrices, block_scales: as in ``block_sums``.
       key: the step key (block j's noise uses block j's streams).
       noise: optional explicit N(0, 1) draws ``noise[j][k]`` (for tests).
       noise_dtype: as in ``aggregation.add_block_noise_and_normalize``.
@@ -308,6 +373,9 @@ def noisy_update(sums: BlockSums,
         noise_dtype=noise_dtype)
     if basis is None:
         return noisy[0]
+    if block_scales is not None:  # Post-processing: see split_into_blocks.
+        noisy = [[t * tf.cast(block_scales[j], t.dtype) for t in block]
+                 for j, block in enumerate(noisy)]
     # Linear post-processing of the released pair.
     return basis.unflatten(basis.reconstruct(noisy[:-1], noisy[-1],
                                              matrices))
