@@ -17,7 +17,12 @@ optimiser and global l2 clip, each with its noise calibrated to the same
   groups, refreshed every `--basis_refresh_steps` steps) and per-block
   clips and noise from `tf_twice.hybrid.plan_blocks` (the l2 budget split
   by `--budget_split`, `--budget_quantile`; principal blocks' l-infinity
-  clip per `--principal_d0`).
+  clip per `--principal_d0`);
+* by name only (`--rows`), hybrid's variants: `hybrid unmasked` (principal
+  blocks without masks, examples/train.py
+  --principal_coordinate_sampling_rate=1), `hybrid replanned` (budgets
+  re-split at every basis refresh, --replan_budgets) and `hybrid unmasked
+  replanned` (both).
 
 Tuned rows (`--tuned=NAME=FILE`, from examples/tune.py): the row NAME (one
 of the above, or a new one) takes the settings the search fixed and the best
@@ -73,6 +78,13 @@ from tf_twice import sampling
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 ROWS = ('dpsgd q=q1', 'dpsgd q=q1*q2', 'twice', 'hybrid')
+# Hybrid's variants, run when --rows names them: what each adds to 'hybrid'.
+HYBRID_VARIANTS = {
+    'hybrid unmasked': dict(principal_coordinate_sampling_rate=1.0),
+    'hybrid replanned': dict(replan_budgets=True),
+    'hybrid unmasked replanned': dict(principal_coordinate_sampling_rate=1.0,
+                                      replan_budgets=True),
+}
 
 # Published test accuracies (label, epsilon, accuracy %) at delta = 1e-5,
 # marked on the plot for comparison.
@@ -131,9 +143,11 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
                        **settings_lib.budget_split_settings(split),
                        **hybrid_extra),
     }
+    every.update({name: dict(every['hybrid'], **extra)
+                  for name, extra in HYBRID_VARIANTS.items()})
     unknown = [row for row in rows if row not in every]
     if unknown:
-        raise ValueError(f'--rows must be among {", ".join(ROWS)}; got '
+        raise ValueError(f'--rows must be among {", ".join(every)}; got '
                          f'{unknown}.')
     return {row: every[row] for row in rows}
 

@@ -16,6 +16,14 @@ def test_accuracy_study_table():
                                 d0=100, ranks=[16], basis_refresh_steps=20)
     assert configs['dpsgd q=q1*q2']['batch_size'] == 64
     assert configs['twice']['coordinate_sampling_rate'] == 0.5
+    assert list(configs) == list(study.ROWS)  # Variants run when named.
+    variants = study.row_configs(
+        batch_size=128, coordinate_sampling_rate=0.5, d0=100, ranks=[16],
+        basis_refresh_steps=20, rows=list(study.HYBRID_VARIANTS))
+    both = variants['hybrid unmasked replanned']
+    assert both == dict(configs['hybrid'], replan_budgets=True,
+                        principal_coordinate_sampling_rate=1.0)
+    assert 'replan_budgets' not in variants['hybrid unmasked']
     with pytest.raises(ValueError, match='--rows'):
         study.row_configs(batch_size=128, coordinate_sampling_rate=0.5,
                           d0=100, ranks=[16], basis_refresh_steps=20,
