@@ -479,6 +479,19 @@ def test_a_replan_follows_the_public_norms_at_the_same_epsilon(
         planned.epsilon(200, 1e-5), rel=1e-12)
 
 
+def test_a_variance_optimal_replan_without_public_signal_splits_by_norms(
+        basis_and_public):
+    # Public gradients whose mean is 0 (every alignment 0): plan_blocks
+    # refuses the split before training, a re-plan in training must not.
+    basis, public = basis_and_public
+    planned = budgets.plan_blocks(_one_block(noise_multiplier=1.3), basis,
+                                  public)
+    symmetric = np.concatenate([public, -public])
+    assert budgets.replanned_block_scales(
+        planned, basis, symmetric, budget_split='variance_optimal'
+    ) == budgets.replanned_block_scales(planned, basis, symmetric)
+
+
 def test_replanned_block_scales_refusals(basis_and_public):
     basis, public = basis_and_public
     with pytest.raises(ValueError, match='one Block per basis block'):

@@ -104,6 +104,37 @@ def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size,
 
 
 @pytest.mark.parametrize('with_basis', [False, True])
+def _scaled_clips(config, scales):
+    return attr.evolve(config, blocks=tuple(attr.evolve(
+        b, l2_norm_clip=b.l2_norm_clip * s,
+        linf_norm_clip=None if b.linf_norm_clip is None
+        else b.linf_norm_clip * s) for b, s in zip(config.blocks, scales)))
+
+
+@pytest.mark.parametrize('path', [
+    'model', pytest.param('optimizer',
+                          marks=markers.needs_tf_privacy_optimizers)])
+def test_block_scales_run_the_config_with_scaled_clips(path):
+    # A step with block scales (noise, masks, l-infinity clips) is the step
+    # of the config whose clips are scaled, from the same seeded key: the
+    # scales act once, at both ends of the aggregation, on either path.
+    basis, scales = _basis(), (2.0, 0.5, 1.5)
+    x, y = _data(8, seed=2)
+    steps = []
+    for config, block_scales in ((HYBRID, scales),
+                                 (_scaled_clips(HYBRID, scales), None)):
+        if path == 'model':
+            dp = _fast(basis, 3, config=config)
+            dp.set_basis(basis, block_scales=block_scales)
+        else:
+            dp = _optimizer_path(basis, 3, config=config)
+            dp.optimizer.set_basis(basis, block_scales=block_scales)
+        tiny_models.one_step(dp, x, y)
+        steps.append(_weights(dp))
+    _assert_all_close(*steps)
+    assert not np.allclose(steps[0][0], _weights(_mlp())[0])
+
+
 def test_a_float64_layer_among_float32_ones_trains_as_if_all_were_float64(
         with_basis):
     # An example's norm spans both layers, so the step clips, masks, sums

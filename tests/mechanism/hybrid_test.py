@@ -182,8 +182,10 @@ def test_block_scales_are_checked_and_kept_across_a_basis_assignment():
     holder.assign(_basis(seed=3))  # A refresh without scales keeps them.
     np.testing.assert_array_equal(holder.block_scales.numpy(),
                                   [2.0, 0.5, 1.5])
-    for bad in ((1.0, 1.0), (1.0, 0.0, 1.0), (1.0, float('nan'), 1.0)):
-        with pytest.raises(ValueError, match='block_scales must be 3 finite'):
+    for bad in ((1.0, 1.0), (1.0, 0.0, 1.0), (1.0, float('nan'), 1.0),
+                (1e-20, 1.0, 1.0), (1.0, 1.0, 1e300)):
+        with pytest.raises(ValueError,
+                           match=r'block_scales must be 3 numbers in \[2\*\*-40'):
             holder.assign(basis, bad)
     np.testing.assert_array_equal(holder.block_scales.numpy(),
                                   [2.0, 0.5, 1.5])

@@ -350,7 +350,8 @@ def replanned_block_scales(
     The clips s_j c2_j split the same total c = sqrt(sum_j c2_j^2) by
     ``budget_split`` (as ``plan_blocks`` does, from the statistics of
     ``public_gradients``; 'variance_optimal' models the config's own z_j,
-    fixed). Every block keeps its noise multiplier z_j and d0_j = (c2_j /
+    fixed, and splits by the projection norms where no block's public mean
+    agrees with the mean gradient). Every block keeps its noise multiplier z_j and d0_j = (c2_j /
     c_inf_j)^2: the mechanism scales block j's l2 and l-infinity clips and
     its noise by s_j (``BasisHolder.set_basis(basis, block_scales=...)``),
     which is post-processing of the config's own event
@@ -398,6 +399,11 @@ def replanned_block_scales(
                    for q in config.coordinate_sampling_rates])
     noise_std = z[-1] / (config.expected_batch_size * q2[-1])
     noise_scales = (z / z[-1]) * (q2[-1] / q2)
+    if budget_split == 'variance_optimal' and not np.any(
+            np.asarray(statistics.alignments) > 0):
+        # No public signal to split by (e.g. near a minimum): a refresh must
+        # not stop training, so the projection norms split it.
+        budget_split = 'projection_norms'
     l2 = _split_budget(c, statistics, basis, budget_split, budget_quantile,
                        noise_model='shared', noise_std=noise_std,
                        noise_scales=noise_scales)

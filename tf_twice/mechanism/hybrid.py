@@ -26,10 +26,11 @@ parameter groups):
 With no basis there is one block, g_i itself, and the step is exactly the
 single-block aggregation (same numbers for the same key).
 
-Guarantee: for a basis that depends only on public data and the current
-model, one step releases (noisy coefficient sums, noisy residual sum), a
-twice-sampled Gaussian mechanism whose per-example contribution lies in the
-hybrid set {(s_1..s_m): ||s_j||_2 <= c2_j, ||s_j||_inf <= c_inf_j}; it is
+Guarantee: for a basis (and block scales) that depend only on public data
+and the current model, one step releases (noisy coefficient sums, noisy
+residual sum), up to the scales' post-processing, a twice-sampled Gaussian
+mechanism whose per-example contribution lies in the hybrid set
+{(s_1..s_m): ||s_j||_2 <= c2_j, ||s_j||_inf <= c_inf_j}; it is
 exactly ``TwiceSampledGaussianDpEvent`` with the per-block tuples and
 ``block_dimensions = basis.block_dimensions`` (r_1..r_{m-1}, d). The update is
 post-processing; the guarantee does not depend on U being orthonormal.
@@ -181,19 +182,28 @@ class BasisVariables:
         self._basis = basis
 
 
+# The range of a block scale: far beyond a re-plan's (its clips and the
+# plan's are within a factor 1e6 of the budget, so its scales too), and
+# narrow enough that dividing an ordinary float32 gradient by one neither
+# overflows nor flushes it.
+BLOCK_SCALE_RANGE = (2.0**-40, 2.0**40)
+
+
 def check_block_scales(block_scales: Sequence[float],
                        num_blocks: int) -> np.ndarray:
-    """``block_scales`` as float64 [num_blocks], each finite and > 0.
+    """``block_scales`` as float64 [num_blocks], each in
+    ``BLOCK_SCALE_RANGE``.
 
     Raises:
       ValueError: naming the argument and the allowed range.
     """
+    low, high = BLOCK_SCALE_RANGE
     scales = np.asarray(block_scales, dtype=np.float64)
     if scales.shape != (num_blocks,) or not np.all(
-            np.isfinite(scales)) or np.any(scales <= 0):
+            (scales >= low) & (scales <= high)):
         raise ValueError(
-            f'block_scales must be {num_blocks} finite numbers > 0, one per '
-            f'block (principal blocks, then the residual); got '
+            f'block_scales must be {num_blocks} numbers in [2**-40, 2**40], '
+            'one per block (principal blocks, then the residual); got '
             f'{block_scales!r}.')
     return scales
 
