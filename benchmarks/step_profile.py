@@ -26,6 +26,13 @@ a little (more for graphs of many small ops), so ratios come from
 
 ``--op-types N`` prints, instead of the groups, the N op types (as the
 profiler names oneDNN's kernels) that took the most CPU time per step.
+
+``--device-profile`` profiles, on the GPU TensorFlow places the model on,
+non-private ``fit`` with XLA and the twice-sampling DP step with and without
+XLA: per step the wall-clock milliseconds, the milliseconds the GPU's
+streams were busy in kernels and the costliest kernels. GPU-busy far below
+the wall clock means the host bounds the step. Without a GPU it says so (and
+GPU busy is 0).
 """
 
 import argparse
@@ -33,6 +40,7 @@ import collections
 import glob
 import os
 import tempfile
+import time
 from typing import Dict
 
 import tensorflow as tf
@@ -104,6 +112,56 @@ def profile(train_function, iterator, steps: int,
     return ms
 
 
+def device_profile(train_function, iterator, steps: int):
+    """(wall ms, GPU-busy ms, Counter of GPU kernel ms) per step, over
+    ``steps`` profiled steps: kernel events on the GPU planes' stream
+    lines (each kernel once, on the stream it ran on)."""
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        start = time.perf_counter()
+        for _ in range(steps):
+            outputs = train_function(iterator)
+        tf.nest.map_structure(lambda t: t.numpy(), outputs)  # Wait for it.
+        wall = (time.perf_counter() - start) * 1e3 / steps
+        tf.profiler.experimental.stop()
+        path, = glob.glob(os.path.join(logdir, '**', '*.xplane.pb'),
+                          recursive=True)
+        space = xplane_pb2.XSpace()
+        with open(path, 'rb') as f:
+            space.ParseFromString(f.read())
+    kernels = collections.Counter()
+    for plane in space.planes:
+        if not plane.name.startswith('/device:GPU:'):
+            continue
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            if not line.name.startswith('Stream'):
+                continue
+            for event in line.events:
+                kernels[names.get(event.metadata_id, '?')[:60]] += (
+                    event.duration_ps / 1e9 / steps)
+    return wall, sum(kernels.values()), kernels
+
+
+def run_device_profile(batch: int, steps: int) -> None:
+    """Prints ``device_profile`` of the configurations it names."""
+    if not tf.config.list_physical_devices('GPU'):
+        print('--device-profile: TensorFlow sees no GPU (GPU busy is 0).')
+    print(f'{training_benchmark.MODEL[0]}, batch {batch}, TensorFlow '
+          f'{tf.__version__}: ms per step (mean of {steps} profiled steps)')
+    for name in (training_benchmark.NON_PRIVATE_XLA, training_benchmark.TWICE,
+                 training_benchmark.TWICE + training_benchmark.XLA):
+        model = training_benchmark.build(name, batch, None)
+        iterator = iter(training_benchmark.fixed_batches(batch, 1))
+        train_function = model.make_train_function() or model.train_function
+        for _ in range(3):  # Traced and compiled before profiling.
+            train_function(iterator)
+        wall, busy, kernels = device_profile(train_function, iterator, steps)
+        top = ', '.join(f'{k} {t:.2f}' for k, t in kernels.most_common(5))
+        print(f'  {name}: wall {wall:.2f}, GPU busy {busy:.2f} '
+              f'({busy / wall:.0%} of wall); top kernels: {top}')
+
+
 # The profiled configurations, built as `training_benchmark` builds them
 # (same model, mechanism, optimizer and loss), under this script's labels.
 CONFIGURATIONS = {'non-private': 'non-private fit',
@@ -120,9 +178,14 @@ def main() -> None:
     parser.add_argument('--steps', type=int, default=20)
     parser.add_argument('--op-types', type=int, default=0, metavar='N',
                         help='print the N costliest op types instead')
+    parser.add_argument('--device-profile', action='store_true',
+                        help='GPU kernel time against wall time instead')
     args = parser.parse_args()
     batch = args.batch_size or (256 if args.model == 'small_cnn' else 128)
     training_benchmark.MODEL[0] = args.model
+    if args.device_profile:
+        run_device_profile(batch, args.steps)
+        return
     table = {}
     for label, name in CONFIGURATIONS.items():
         model = training_benchmark.build(name, batch, None)

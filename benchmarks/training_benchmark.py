@@ -46,9 +46,15 @@ Poisson overhead <= 1.1x; memory <= 1.2x. Usage:
   python benchmarks/training_benchmark.py --compare-xla --skip-slow \
       --skip-memory                    # against non-private fit with XLA too
 
-DPModel itself refuses ``jit_compile=True`` (its weight checks are run-time
-assertions that XLA drops); its clip-mask-sum kernels are XLA-compiled on
-their own in every row.
+  python benchmarks/training_benchmark.py --compare-xla --compare-dp-xla \
+      --skip-slow --skip-memory        # and the DP step compiled by XLA
+
+Without ``--compare-dp-xla`` the DP rows run without ``jit_compile`` (their
+clip-mask-sum kernels are XLA-compiled on their own); with it, the q2 = 1 and
+twice-sampling rows run again with ``jit_compile=True`` (the whole DP step
+compiled by XLA) on Poisson batches padded to whole physical batches by the
+pipeline (``poisson_batches(physical_batch_size=...)``), since XLA compiles
+the step once per batch shape.
 """
 
 import argparse
@@ -159,6 +165,30 @@ def poisson_dataset(batch: int, seed: int = 0) -> tf.data.Dataset:
                                     repeat=True, seed=seed)
 
 
+def padded_poisson_dataset(batch: int, physical: int,
+                           seed: int = 0) -> tf.data.Dataset:
+    """``poisson_dataset``'s batches padded to whole physical batches (rows
+    of weight 0), for the XLA rows."""
+    x, y = reference_inputs.random_examples(POISSON_POOL_FACTOR * batch)
+    return sampling.poisson_batches(x, y, expected_batch_size=batch,
+                                    physical_batch_size=physical,
+                                    repeat=True, seed=seed)
+
+
+def every_padded_size(model: DPModel, batch: int) -> tf.data.Dataset:
+    """Batches of every multiple of the physical batch P that a Poisson batch
+    of expected size B pads to with probability above about 1e-9 (B +- 6
+    sqrt(B)): the XLA step compiles once for each."""
+    chunk = model.physical_batch_size
+    low = max(1, int(np.ceil(max(0.0, batch - 6 * batch**0.5) / chunk)))
+    high = int(np.ceil((batch + 6 * batch**0.5) / chunk))
+    x, y = (tf.constant(a)
+            for a in reference_inputs.random_examples(high * chunk))
+    sizes = np.arange(low, high + 1, dtype=np.int32) * chunk
+    return tf.data.Dataset.from_tensor_slices(sizes).map(
+        lambda k: (x[:k], y[:k], tf.ones([k], tf.float32)))
+
+
 def every_last_chunk_size(model: DPModel) -> tf.data.Dataset:
     """Batches of P + u, P + 2u, ..., 2P rows (P the physical batch size,
     u its padding unit): their last chunks take every size that a Poisson
@@ -207,7 +237,7 @@ def build(name: str, batch: int, physical: Optional[int]
         private = DPModel(model, _config(batch, twice, num_examples=n),
                           physical_batch_size=physical, seed=0)
         private.compile(optimizer=tf.keras.optimizers.SGD(0.05),
-                        loss=_loss(False))
+                        loss=_loss(False), jit_compile=name.endswith(XLA))
         return private
     raise ValueError(f'unknown configuration {name!r}')
 
@@ -222,7 +252,8 @@ def time_fit(model: tf.keras.Model, dataset: tf.data.Dataset,
 
 
 NON_PRIVATE = 'non-private fit'
-NON_PRIVATE_XLA = 'non-private fit XLA'  # --compare-xla: jit_compile=True.
+XLA = ' XLA'  # A row compiled with jit_compile=True.
+NON_PRIVATE_XLA = NON_PRIVATE + XLA  # --compare-xla.
 # The twice-sampling step's speed target against non-private fit, per model.
 TWICE_TARGET = {'small_cnn': 0.5, 'resnet22': 0.9}
 # Steps that warm up what the first one did not trace.
@@ -259,6 +290,7 @@ def _traced_without(name: str):
 
 FAST = (NON_PRIVATE, 'fast path q2=1', TWICE, TWICE_FIXED,
         'optimizer path q2=0.5 linf=0.1')
+DP_XLA = ('fast path q2=1' + XLA, TWICE + XLA)  # --compare-dp-xla.
 ON_FIXED_BATCHES = (NON_PRIVATE, NON_PRIVATE_XLA, 'tf_privacy vectorized',
                     TWICE_FIXED) + tuple(WITHOUT.values())
 
@@ -277,10 +309,12 @@ def throughput(args) -> Dict[str, List[tuple]]:
     fast = [name for name in FAST if unavailable(name) is None] + [
         f'{TWICE}{PHYSICAL_TAG}{p}' for p in args.compare_physical] + (
             [WITHOUT[piece] for piece in args.compare_without]) + (
-            [NON_PRIVATE_XLA] if args.compare_xla else [])
+            [NON_PRIVATE_XLA] if args.compare_xla else []) + (
+            list(DP_XLA) if args.compare_dp_xla else [])
     slow = [name for name in slow if unavailable(name) is None]
-    data = {name: fixed if name in ON_FIXED_BATCHES else poisson
-            for name in fast + slow}
+    padded = padded_poisson_dataset(batch, physical)
+    data = {name: fixed if name in ON_FIXED_BATCHES else
+            padded if name in DP_XLA else poisson for name in fast + slow}
     results: Dict[str, List[tuple]] = {}
     models = {}
     for name in fast + slow:
@@ -300,6 +334,9 @@ def throughput(args) -> Dict[str, List[tuple]]:
                                  epochs=1, verbose=0)
             if data[name] is poisson and isinstance(models[name], DPModel):
                 models[name].fit(every_last_chunk_size(models[name]),
+                                 verbose=0)
+            if data[name] is padded:
+                models[name].fit(every_padded_size(models[name], batch),
                                  verbose=0)
     for name in slow:
         results[name] = [time_fit(models[name], data[name], args.slow_steps,
@@ -398,6 +435,10 @@ def main(argv=None) -> None:
         '--compare-xla', action='store_true',
         help='adds non-private fit with jit_compile=True, timed in the same '
         'rounds, and the DP rows\' ratios against it')
+    parser.add_argument(
+        '--compare-dp-xla', action='store_true',
+        help='adds the q2 = 1 and twice-sampling DP rows compiled whole by '
+        'XLA (jit_compile=True), timed in the same rounds')
     parser.add_argument('--steps', type=int, default=10,
                         help='timed steps per round of the fast configs')
     parser.add_argument('--rounds', type=int, default=6)
@@ -464,6 +505,11 @@ def main(argv=None) -> None:
     for fast in (one, twice):
         ratio(fast, NON_PRIVATE_XLA, None,
               'informative: against non-private fit with XLA')
+    for fast in DP_XLA:
+        ratio(fast, NON_PRIVATE_XLA, target if fast == twice + XLA else None,
+              f'>= {target} against non-private fit with XLA'
+              if fast == twice + XLA else 'informative')
+        ratio(fast, fast[:-len(XLA)], None, 'informative: XLA against none')
     for p in args.compare_physical:
         ratio(f'{twice}{PHYSICAL_TAG}{p}', NON_PRIVATE, None,
               'informative')

@@ -428,16 +428,6 @@ def test_weights_above_one_are_refused():
         tiny_models.one_step(dp, x, y, sample_weight=np.array([1, 2, 1, 1]))
 
 
-@pytest.mark.parametrize('jit_compile', [True, 'auto'])
-def test_xla_is_refused_at_compile(jit_compile):
-    # XLA would drop the in-graph check of sample_weight (a weight of 50
-    # would count an example 50 times).
-    dp = DPModel(_mlp(), CONFIG, physical_batch_size=4, seed=None)
-    with pytest.raises(ValueError, match='jit_compile must be False'):
-        dp.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=_loss(),
-                   jit_compile=jit_compile)
-
-
 @pytest.mark.parametrize('weights, shown', [
     ([1.0, 2.0, 1.0, 1.0], '2.0 at index 1'),
     ([1.0, 1.0, -0.5, 1.0], '-0.5 at index 2'),

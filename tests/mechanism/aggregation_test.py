@@ -147,17 +147,28 @@ def test_callable_inside_a_caller_compiled_with_xla():
                                    atol=1e-7)
 
 
-def test_weights_are_refused_inside_a_caller_compiled_with_xla():
-    # XLA drops the run-time check that keeps weights in [0, 1]: a weight of
-    # 2 would count an example twice, so weights are refused there.
+@pytest.mark.parametrize('jit_compile', [True, False])
+def test_a_weight_outside_the_range_counts_zero_where_xla_drops_the_check(
+        jit_compile):
+    # XLA drops the run-time assertion that refuses weights outside [0, 1]
+    # (a weight of 2 would count an example twice): the sum gives them
+    # weight 0 instead. Without XLA the assertion refuses them.
     grads = _grads(4, seed=14)
     compiled = tf.function(
         lambda w, *g: agg.clipped_masked_sum(list(g), l2_norm_clip=1.0,
                                              weights=w),
-        jit_compile=True)
-    with pytest.raises(ValueError, match='weights cannot be checked inside '
-                       'a function compiled with XLA'):
-        compiled(np.array([1, 2, 1, 1], np.float32), *grads)
+        jit_compile=jit_compile)
+    bad = np.array([1, 2, np.nan, -1], np.float32)
+    if not jit_compile:
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r'per-example weights must be in \[0, 1\]'):
+            compiled(bad, *grads)
+        return
+    got = compiled(bad, *grads)
+    want = compiled(np.array([1, 0, 0, 0], np.float32), *grads)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert np.any(want[0].numpy() != 0)
 
 
 def test_linf_clip_applies_after_l2_clip():

@@ -22,8 +22,10 @@ Saving and loading (no metric state, no step keys, the config) live in
 ``model_artifacts``. docs/ documents the rest once: the optimizer path
 (keras.md), hybrid clipping (hybrid_clipping.md: the basis is in no
 checkpoint; a rebuilt hybrid DPModel trains after ``set_basis``), seeded
-runs (checkpoints.md) and replicas (distributed.md). ``compile`` refuses
-``jit_compile=True``: XLA drops the run-time check of per-example weights.
+runs (checkpoints.md) and replicas (distributed.md). With
+``compile(jit_compile=True)`` XLA compiles the whole DP step; it drops the
+step's run-time check of per-example weights, so ``fit`` checks a dataset's
+weights before the step and the step gives any weight outside [0, 1] weight 0.
 """
 
 from typing import Any, Dict, Optional, Sequence
@@ -288,8 +290,8 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
             # It may now be built (it refuses any other model's fit).
             unwrapped.bind_to_dp_model()
         self._example_loss = per_example.loss_fn(loss)
-        guards.check_no_xla(kwargs.get('jit_compile', False))
-        kwargs['jit_compile'] = False
+        kwargs['jit_compile'] = guards.check_jit_compile(
+            kwargs.get('jit_compile'))
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         **kwargs)
         # A legacy optimizer creates its step counter on first use; the
@@ -374,6 +376,10 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
             x, args, kwargs = class_weights.apply_class_weight(x, y, args,
                                                                kwargs)
             is_dataset = isinstance(x, tf.data.Dataset)
+            if is_dataset and getattr(self, 'jit_compile', False) is True:
+                # XLA drops the step's refusal of weights outside [0, 1]
+                # (the step gives them weight 0): refused here, before.
+                x = x.map(per_example.with_checked_weights)
             if is_dataset and len(args) < 3:
                 # Each element is one logical batch: nothing to shuffle
                 # (Keras 3 warns about its default shuffle=True).

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tf_twice.keras import per_example
 from tf_twice.mechanism import aggregator as aggregator_lib
+from tf_twice.mechanism import precision
 
 __all__ = ['private_update']
 
@@ -46,15 +47,26 @@ def private_update(aggregator: aggregator_lib.PrivateAggregator,
         chunk, for the metrics.
     """
     chunk = physical_batch_size
-    num_chunks = (size + chunk - 1) // chunk
-
     key = aggregator.begin(variables, step)
     # Masks are keyed by an example's position in the whole logical
     # batch, also when replicas share it.
     first_row = aggregator_lib.global_offset(size)
+    if precision.in_xla_context():
+        # XLA needs every chunk's shape at compile time: the batch is padded
+        # once to whole chunks (rows of weight 0; XLA compiles per batch
+        # size, and the amount is a constant of it), then cut in equal ones.
+        x, y, weights = per_example.padded_to_chunks((x, y, weights), chunk)
+        size = tf.shape(weights)[0]
+
+        def chunk_of(i):
+            return per_example.fixed_chunk((x, y, weights), i, chunk)
+    else:
+        def chunk_of(i):
+            return per_example.chunk_of((x, y, weights), i, chunk, size)
+    num_chunks = (size + chunk - 1) // chunk
 
     def body(i, sums):
-        xc, yc, wc = per_example.chunk_of((x, y, weights), i, chunk, size)
+        xc, yc, wc = chunk_of(i)
         grads, losses, predictions = per_example.gradients(
             model, example_loss, xc, yc)
         sums = aggregator.accumulate(

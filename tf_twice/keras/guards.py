@@ -376,21 +376,22 @@ def check_dp_optimizer(optimizer: Any, *, has_config: bool) -> None:
         raise ValueError(f'This DPModel {NO_MECHANISM}')
 
 
-def check_no_xla(jit_compile: Any) -> None:
-    """Refuses ``jit_compile`` other than False (or None) for
-    ``DPModel.compile``: XLA drops run-time assertions, among them the check
-    that keeps per-example weights in [0, 1] (the sensitivity bound), and
-    Keras 3's default 'auto' would turn XLA on where there is a GPU.
+def check_jit_compile(jit_compile: Any) -> bool:
+    """``DPModel.compile``'s ``jit_compile``: True or False (None: False).
+
+    Keras 3's 'auto' is refused rather than resolved, so that whether the
+    DP step runs under XLA never depends on the machine.
 
     Raises:
       ValueError: naming the argument.
     """
-    if jit_compile not in (False, None):
+    if jit_compile is None:
+        return False
+    if not isinstance(jit_compile, bool):
         raise ValueError(
-            f'jit_compile must be False for a DPModel (got {jit_compile!r}): '
-            'XLA drops the run-time checks that keep per-example weights in '
-            '[0, 1], which the privacy guarantee needs, and cannot compile '
-            'seeded step keys.')
+            f'jit_compile must be True or False for a DPModel; got '
+            f'{jit_compile!r}.')
+    return jit_compile
 
 
 # --- the ledger's event against the mechanism that runs ---------------------

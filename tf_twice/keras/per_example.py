@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -246,6 +246,21 @@ def check_weights(name: str, values: Any) -> None:
             f'outside, e.g. {values[first]} at index {first}.')
 
 
+def with_checked_weights(*element: Any) -> Tuple[Any, ...]:
+    """A dataset element ``(x, y[, sample_weight])``, its weights refused
+    (InvalidArgumentError, when the element is read) outside [0, 1]: for a
+    step compiled by XLA, which drops the step's own assertion."""
+    if len(element) < 3 or element[2] is None:
+        return element
+    weights = tf.convert_to_tensor(element[2])
+    check = tf.debugging.Assert(
+        tf.reduce_all(tf.logical_and(weights >= 0, weights <= 1)),
+        [f'sample_weight {WEIGHT_RANGE}. Got min/max:',
+         tf.reduce_min(weights), tf.reduce_max(weights)])
+    with tf.control_dependencies([check]):
+        return element[:2] + (tf.identity(weights),) + element[3:]
+
+
 def example_weights(sample_weight: Any, size: tf.Tensor, *,
                     bounded: bool) -> tf.Tensor:
     """Per-example weights [B] (ones when there are none).
@@ -307,6 +322,27 @@ def chunk_of(tensors: Any, index: tf.Tensor, chunk: int,
         if unit == 1:
             return rows
         return tf.pad(rows, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1))
+
+    return tf.nest.map_structure(one, tensors)
+
+
+def padded_to_chunks(tensors: Any, chunk: int) -> Any:
+    """Each tensor of the nest [B, ...] zero-padded to a multiple of
+    ``chunk`` rows (pad the weights with zeros too)."""
+    rows = tf.shape(tf.nest.flatten(tensors)[0])[0]
+    pad = tf.math.floormod(-rows, chunk)
+    return tf.nest.map_structure(
+        lambda t: tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1)),
+        tensors)
+
+
+def fixed_chunk(tensors: Any, index: tf.Tensor, chunk: int) -> Any:
+    """Rows [index * chunk, (index + 1) * chunk) of each tensor of the nest,
+    a slice of static size (``padded_to_chunks``): XLA's dynamic slice."""
+    def one(t):
+        begin = tf.concat([[index * chunk],
+                           tf.zeros([t.shape.rank - 1], tf.int32)], 0)
+        return tf.slice(t, begin, [chunk] + [-1] * (t.shape.rank - 1))
 
     return tf.nest.map_structure(one, tensors)
 

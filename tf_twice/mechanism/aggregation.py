@@ -88,23 +88,25 @@ __all__ = [
 def _check_weights(weights: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     """``weights`` as a flat ``dtype`` tensor, refused at run time outside
     [0, 1]: a weight above 1 would scale an example's contribution past the
-    clip bound."""
-    if precision.in_xla_context():
-        raise ValueError(
-            'weights cannot be checked inside a function compiled with XLA '
-            '(jit_compile=True drops run-time assertions), and a weight '
-            'outside [0, 1] would break the sensitivity bound: call the '
-            'aggregation outside XLA, or without weights.')
+    clip bound.
+
+    A weight outside [0, 1] (or NaN) is also set to 0, so that no example
+    ever weighs more than 1 where the refusal cannot run: XLA drops run-time
+    assertions (``jit_compile=True``); there the caller refuses such input
+    before the step (``DPModel.fit`` checks its dataset's weights).
+    """
     weights = tf.reshape(tf.cast(weights, dtype), [-1])
-    in_range = tf.reduce_all(
-        tf.logical_and(weights >= 0, weights <= 1))
-    check = tf.debugging.Assert(in_range, [
+    in_range = tf.logical_and(weights >= 0, weights <= 1)
+    bounded = tf.where(in_range, weights, tf.zeros_like(weights))
+    if precision.in_xla_context():
+        return bounded
+    check = tf.debugging.Assert(tf.reduce_all(in_range), [
         'per-example weights must be in [0, 1] (1 real, 0 padding); a larger '
         'weight would break the sensitivity bound. Got min/max:',
         tf.reduce_min(weights), tf.reduce_max(weights)
     ])
     with tf.control_dependencies([check]):
-        return tf.identity(weights)
+        return tf.identity(bounded)
 
 
 def clipped_masked_block_sums(

@@ -265,12 +265,17 @@ def standard_normal_noise(
         shape = [int(s) for s in shape]
         size = math.prod(shape)
         half = (size + 1) // 2
-        uniform = tf.raw_ops.StatelessRandomUniformV2(
+        # k 2**-52 from the top 52 of 64 Philox bits, k < 2**52: from
+        # integer draws, which XLA computes as the CPU kernel does (its
+        # float uniforms take other bits).
+        bits = tf.raw_ops.StatelessRandomUniformFullIntV2(
             shape=[2, half],
             key=key,
             counter=_counter(0, noise_stream(block, v)),
             alg=_PHILOX_ALG,
-            dtype=tf.float64)  # k 2**-52, k < 2**52.
+            dtype=tf.uint64)
+        uniform = tf.cast(tf.bitwise.right_shift(
+            bits, tf.constant(12, tf.uint64)), tf.float64) * 2.0**-52
         pairs = box_muller(uniform, precision.accumulation_dtype(dtype))
         noise.append(tf.cast(tf.reshape(pairs[:size], shape), dtype))
     return noise

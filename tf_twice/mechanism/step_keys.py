@@ -27,7 +27,10 @@ __all__ = ['StepKeys', 'RANDOM_STATE_FORMAT', 'state_fingerprint']
 
 RANDOM_STATE_FORMAT = 'tf_twice.SecretRandomState'
 _MAX_SEED = 2**63  # Seeds are in [0, 2**63), as in tf_twice.sampling.
-# Second word of the SipHash key that positions a seeded stream.
+# The weights of state_fingerprint's second sum: index * 48271 mod 2**31 - 1
+# (Lehmer's multiplier and prime), below 2**31.
+_FINGERPRINT_MULTIPLIER, _FINGERPRINT_MODULUS = 48271, 2**31 - 1
+# Second word of the seed of the Philox chain that positions a seeded stream.
 _STREAM_DOMAIN = 0x54776963654B6579  # 'TwiceKey'
 
 
@@ -51,16 +54,24 @@ def state_fingerprint(variables: Sequence[tf.Variable],
                       step: tf.Tensor) -> tf.Tensor:
     """int64 words that change with the weights and the step count.
 
-    Per variable: the bits of its sum and of one fixed pseudo-random
-    projection (float64), plus the step. Restored, loaded or assigned weights
-    give other words, so a seeded stream positioned by them is another one.
+    Per variable: two integer sums of the 32-bit halves of its values in
+    float64 (so the same values give the same words in any dtype), plain and
+    weighted by a fixed pseudo-random sequence modulo a prime, plus the
+    step; no sum overflows. Restored, loaded or assigned weights give other
+    words, so a seeded stream positioned by them is another one. Integer
+    sums do not depend on the order of the reduction (a float sum does), so
+    a step compiled by XLA computes the same words as the eager
+    ``record_start``.
     """
     words = [tf.cast(step, tf.int64)]
     for variable in variables:
-        flat = tf.reshape(tf.cast(variable, tf.float64), [-1])
-        projection = tf.sin(tf.range(1, tf.size(flat) + 1, dtype=tf.float64))
-        for value in (tf.reduce_sum(flat), tf.reduce_sum(flat * projection)):
-            words.append(tf.bitcast(value, tf.int64))
+        halves = tf.bitcast(tf.cast(variable, tf.float64), tf.int32)
+        data = tf.bitwise.bitwise_and(
+            tf.cast(tf.reshape(halves, [-1]), tf.int64), 0xFFFFFFFF)
+        index = tf.range(1, tf.size(data, out_type=tf.int64) + 1)
+        weights = (index * _FINGERPRINT_MULTIPLIER) % _FINGERPRINT_MODULUS
+        words.append(tf.reduce_sum(data))  # < 2**32 per term.
+        words.append(tf.reduce_sum(data * weights % _FINGERPRINT_MODULUS))
     return tf.stack(words)
 
 
@@ -99,6 +110,11 @@ class StepKeys:
                 seed is None, trainable=False, name='step_keys_positioned')
             # The model's state words when it was compiled (record_start).
             self._start = None
+            # Where a seeded stream starts unless its first step is a fresh
+            # start: OS entropy, drawn here because XLA has no op for it.
+            self._entropy_state = None if seed is None else tf.Variable(
+                tf.raw_ops.NonDeterministicInts(shape=[3], dtype=tf.int64),
+                trainable=False, name='step_keys_entropy')
     def __deepcopy__(self, memo):
         # A copy of the state would replay every later key: a copy is a new
         # OS-entropy stream instead.
@@ -120,14 +136,20 @@ class StepKeys:
         self._start = tf.constant(fingerprint.numpy())
 
     def _seeded_state(self, fingerprint: tf.Tensor) -> tf.Tensor:
-        """Philox state [0, 0, key] of the seed and the model's state."""
-        text = tf.strings.reduce_join(tf.strings.as_string(fingerprint),
-                                      separator=',')
-        # SipHash keyed by the seed: a key from the seed and the state only.
-        key = tf.strings.to_hash_bucket_strong(
-            text, 2**62, key=[self._seed, _STREAM_DOMAIN])
+        """Philox state [0, 0, key] of the seed and the model's state.
+
+        A chain of stateless Philox draws keyed by the seed, one per state
+        word: a key from the seed and the state only, in ops that XLA
+        compiles (a DP step with ``jit_compile=True``).
+        """
+        seed = tf.constant([self._seed, _STREAM_DOMAIN], tf.int64)
+        for k in range(int(fingerprint.shape[0])):
+            seed = tf.random.experimental.stateless_fold_in(
+                seed, fingerprint[k], alg='philox')
+        key = tf.random.stateless_uniform([], seed, minval=None, maxval=None,
+                                          dtype=tf.int64, alg='philox')
         zero = tf.constant(0, tf.int64)
-        return tf.stack([zero, zero, tf.cast(key, tf.int64)])
+        return tf.stack([zero, zero, key])
 
     def _draw(self, fingerprint: Optional[tf.Tensor]) -> tf.Tensor:
         if self._seed is not None:
@@ -146,8 +168,7 @@ class StepKeys:
                     tf.equal(fingerprint[0], 0),
                     tf.reduce_all(tf.equal(fingerprint, self._start)))
             start = tf.where(fresh, self._seeded_state(fingerprint),
-                             tf.raw_ops.NonDeterministicInts(
-                                 shape=[3], dtype=tf.int64))
+                             self._entropy_state)
             # Computed at every step but used only at the first: a select,
             # not a tf.cond, which cross-replica contexts do not support.
             state = tf.where(self._positioned, self._generator.state, start)
