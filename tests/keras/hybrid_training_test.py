@@ -103,7 +103,6 @@ def test_fast_path_equals_optimizer_path_with_a_basis(physical_batch_size,
     assert not np.allclose(_weights(plain)[0], _weights(dp)[0])
 
 
-@pytest.mark.parametrize('with_basis', [False, True])
 def _scaled_clips(config, scales):
     return attr.evolve(config, blocks=tuple(attr.evolve(
         b, l2_norm_clip=b.l2_norm_clip * s,
@@ -135,6 +134,7 @@ def test_block_scales_run_the_config_with_scaled_clips(path):
     assert not np.allclose(steps[0][0], _weights(_mlp())[0])
 
 
+@pytest.mark.parametrize('with_basis', [False, True])
 def test_a_float64_layer_among_float32_ones_trains_as_if_all_were_float64(
         with_basis):
     # An example's norm spans both layers, so the step clips, masks, sums

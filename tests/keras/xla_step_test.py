@@ -71,6 +71,14 @@ def test_a_weight_outside_the_range_is_refused_before_the_xla_step():
         np.testing.assert_array_equal(a, b.numpy())
 
 
+def test_an_empty_logical_batch_is_a_step_under_xla():
+    # A Poisson batch may be empty: a valid step whose update is noise.
+    dp = _compiled(True)
+    x, y = tiny_models.data(0, seed=1)
+    tiny_models.one_step(dp, x, y)
+    assert int(dp.privacy_record.numpy()[0]) == 1
+
+
 def test_jit_compile_must_be_true_or_false():
     dp = tiny_models.dp_model(tiny_models.mlp(), expected_batch_size=6.0,
                               num_examples=24)

@@ -327,10 +327,12 @@ def chunk_of(tensors: Any, index: tf.Tensor, chunk: int,
 
 
 def padded_to_chunks(tensors: Any, chunk: int) -> Any:
-    """Each tensor of the nest [B, ...] zero-padded to a multiple of
-    ``chunk`` rows (pad the weights with zeros too)."""
+    """Each tensor of the nest [B, ...] zero-padded to a positive multiple
+    of ``chunk`` rows (pad the weights with zeros too)."""
     rows = tf.shape(tf.nest.flatten(tensors)[0])[0]
-    pad = tf.math.floormod(-rows, chunk)
+    # An empty batch gets one chunk of padding: XLA compiles the slice.
+    pad = tf.math.floormod(-rows, chunk) + chunk * tf.cast(
+        tf.equal(rows, 0), tf.int32)
     return tf.nest.map_structure(
         lambda t: tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1)),
         tensors)
