@@ -82,6 +82,16 @@ def op_type_of(event: str) -> str:
     return event.rpartition(':')[2]
 
 
+def _read_space(logdir: str) -> xplane_pb2.XSpace:
+    """The profile the profiler wrote under ``logdir``."""
+    path, = glob.glob(os.path.join(logdir, '**', '*.xplane.pb'),
+                      recursive=True)
+    space = xplane_pb2.XSpace()
+    with open(path, 'rb') as f:
+        space.ParseFromString(f.read())
+    return space
+
+
 def profile(train_function, iterator, steps: int,
             key=group_of) -> Dict[str, float]:
     """CPU ms per step in each group (or other ``key`` of an op-kernel
@@ -91,11 +101,7 @@ def profile(train_function, iterator, steps: int,
         for _ in range(steps):
             train_function(iterator)
         tf.profiler.experimental.stop()
-        path, = glob.glob(os.path.join(logdir, '**', '*.xplane.pb'),
-                          recursive=True)
-        space = xplane_pb2.XSpace()
-        with open(path, 'rb') as f:
-            space.ParseFromString(f.read())
+        space = _read_space(logdir)
     ms = collections.Counter()
     busy = 0.0
     for plane in space.planes:
@@ -124,11 +130,7 @@ def device_profile(train_function, iterator, steps: int):
         tf.nest.map_structure(lambda t: t.numpy(), outputs)  # Wait for it.
         wall = (time.perf_counter() - start) * 1e3 / steps
         tf.profiler.experimental.stop()
-        path, = glob.glob(os.path.join(logdir, '**', '*.xplane.pb'),
-                          recursive=True)
-        space = xplane_pb2.XSpace()
-        with open(path, 'rb') as f:
-            space.ParseFromString(f.read())
+        space = _read_space(logdir)
     kernels = collections.Counter()
     for plane in space.planes:
         if not plane.name.startswith('/device:GPU:'):
