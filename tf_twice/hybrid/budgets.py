@@ -117,9 +117,7 @@ def hybrid_noise_multipliers(
     Raises:
       ValueError: wrong lengths, bad arguments or an unreachable target.
     """
-    if not isinstance(basis, basis_lib.HybridBasis):
-        raise ValueError('basis must be a tf_twice HybridBasis; got '
-                         f'{type(basis).__name__}.')
+    _check_basis(basis)
     dims = basis.block_dimensions
     clips = list(l2_norm_clips)
     if len(clips) != len(dims):
@@ -212,12 +210,7 @@ def plan_blocks(
       ValueError: a config that is not one block, a missing or superfluous
         budget, bad clips, or a target no noise meets.
     """
-    if not isinstance(config, config_lib.TwiceSamplingConfig):
-        raise ValueError('config must be a tf_twice.TwiceSamplingConfig; got '
-                         f'{type(config).__name__}.')
-    if not isinstance(basis, basis_lib.HybridBasis):
-        raise ValueError('basis must be a tf_twice HybridBasis; got '
-                         f'{type(basis).__name__}.')
+    _check_config_and_basis(config, basis)
     if config.num_blocks != 1:
         raise ValueError(
             'config must have one Block (the global l2 budget and the '
@@ -241,11 +234,7 @@ def plan_blocks(
                    + (template.coordinate_sampling_rate,))
     rates = tuple(config.coordinate_sampling_rate if q is None else q
                   for q in block_rates)
-    # Block j's update noise relative to the residual's (its sum is divided
-    # by B q2_j).
-    noise_scales = np.array([
-        config_lib.effective_coordinate_sampling_rate(rates[-1])
-        / config_lib.effective_coordinate_sampling_rate(q) for q in rates])
+    noise_scales = _divisor_ratios(rates)
     budget_quantile = budget_splits.check_budget_split(budget_split,
                                                      budget_quantile)
     if residual_d0 is not None:
@@ -320,6 +309,28 @@ def plan_blocks(
                                        basis.block_dimensions, block_rates)))
 
 
+def _check_basis(basis) -> None:
+    if not isinstance(basis, basis_lib.HybridBasis):
+        raise ValueError('basis must be a tf_twice HybridBasis; got '
+                         f'{type(basis).__name__}.')
+
+
+def _check_config_and_basis(config, basis) -> None:
+    if not isinstance(config, config_lib.TwiceSamplingConfig):
+        raise ValueError('config must be a tf_twice.TwiceSamplingConfig; got '
+                         f'{type(config).__name__}.')
+    _check_basis(basis)
+
+
+def _divisor_ratios(rates: Sequence[float]) -> np.ndarray:
+    """Block j's update noise relative to the residual's at the same z and
+    clip: its sum is divided by B q2_j (the effective rates), the residual's
+    by B q2_residual."""
+    q2 = np.array([config_lib.effective_coordinate_sampling_rate(q)
+                   for q in rates])
+    return q2[-1] / q2
+
+
 def _split_budget(c: float, statistics, basis: basis_lib.HybridBasis,
                   budget_split: str, budget_quantile: Optional[float], *,
                   noise_model: Optional[str], noise_std: float,
@@ -374,12 +385,7 @@ def replanned_block_scales(
       ValueError: a config without one block per basis block or without
         noise multipliers, or bad split arguments (named).
     """
-    if not isinstance(config, config_lib.TwiceSamplingConfig):
-        raise ValueError('config must be a tf_twice.TwiceSamplingConfig; got '
-                         f'{type(config).__name__}.')
-    if not isinstance(basis, basis_lib.HybridBasis):
-        raise ValueError('basis must be a tf_twice HybridBasis; got '
-                         f'{type(basis).__name__}.')
+    _check_config_and_basis(config, basis)
     if config.num_blocks != basis.num_blocks or not config.is_calibrated:
         raise ValueError(
             f'config must have one Block per basis block ({basis.num_blocks})'
@@ -395,10 +401,11 @@ def replanned_block_scales(
     # Block j's update noise std per unit clip, z_j / (B q2_j), relative to
     # the residual's.
     z = np.asarray(config.noise_multipliers, dtype=np.float64)
-    q2 = np.array([config_lib.effective_coordinate_sampling_rate(q)
-                   for q in config.coordinate_sampling_rates])
-    noise_std = z[-1] / (config.expected_batch_size * q2[-1])
-    noise_scales = (z / z[-1]) * (q2[-1] / q2)
+    noise_std = z[-1] / (config.expected_batch_size *
+                         config_lib.effective_coordinate_sampling_rate(
+                             config.coordinate_sampling_rates[-1]))
+    noise_scales = (z / z[-1]) * _divisor_ratios(
+        config.coordinate_sampling_rates)
     if budget_split == 'variance_optimal' and not np.any(
             np.asarray(statistics.alignments) > 0):
         # No public signal to split by (e.g. near a minimum): a refresh must

@@ -252,13 +252,19 @@ def with_checked_weights(*element: Any) -> Tuple[Any, ...]:
     step compiled by XLA, which drops the step's own assertion."""
     if len(element) < 3 or element[2] is None:
         return element
-    weights = tf.convert_to_tensor(element[2])
+    return element[:2] + (_asserted_in_range(
+        tf.convert_to_tensor(element[2])),) + element[3:]
+
+
+def _asserted_in_range(weights: tf.Tensor) -> tf.Tensor:
+    """``weights``, refused at run time (InvalidArgumentError) outside
+    [0, 1]."""
     check = tf.debugging.Assert(
         tf.reduce_all(tf.logical_and(weights >= 0, weights <= 1)),
         [f'sample_weight {WEIGHT_RANGE}. Got min/max:',
          tf.reduce_min(weights), tf.reduce_max(weights)])
     with tf.control_dependencies([check]):
-        return element[:2] + (tf.identity(weights),) + element[3:]
+        return tf.identity(weights)
 
 
 def example_weights(sample_weight: Any, size: tf.Tensor, *,
@@ -279,14 +285,7 @@ def example_weights(sample_weight: Any, size: tf.Tensor, *,
             'sample_weight must hold one weight per example (shape [B] or '
             f'[B, 1]), got shape {shape}.')
     weights = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
-    if not bounded:
-        return weights
-    check = tf.debugging.Assert(
-        tf.reduce_all(tf.logical_and(weights >= 0, weights <= 1)),
-        [f'sample_weight {WEIGHT_RANGE}. Got min/max:',
-         tf.reduce_min(weights), tf.reduce_max(weights)])
-    with tf.control_dependencies([check]):
-        return tf.identity(weights)
+    return _asserted_in_range(weights) if bounded else weights
 
 
 # --- physical chunks --------------------------------------------------------
