@@ -57,7 +57,8 @@ def state_fingerprint(variables: Sequence[tf.Variable],
     Per variable: two integer sums of the 32-bit halves of its values in
     float64 (so the same values give the same words in any dtype), plain and
     weighted by a fixed pseudo-random sequence modulo a prime, plus the
-    step; no sum overflows. Restored, loaded or assigned weights give other
+    step; no sum overflows below 2**31 values (above, they wrap alike with
+    and without XLA). Restored, loaded or assigned weights give other
     words, so a seeded stream positioned by them is another one. Integer
     sums do not depend on the order of the reduction (a float sum does), so
     a step compiled by XLA computes the same words as the eager
