@@ -38,8 +38,9 @@ published results for the dataset marked.
 
 Long studies: with `--results_json`, every finished run is written to that
 file at once and a rerun with the same settings skips the runs it holds, so a
-study can be run in parts (e.g. one epsilon or one seed per invocation, or
-after an interruption) and the tables and plot always cover every run in it.
+study can be run in parts (one epsilon, seed or a few rows per invocation, or
+after an interruption; a row's name keeps its settings), and the tables and
+plot cover every stored run of the rows asked for.
 
 Run: python examples/accuracy_study.py   (digits, about 6 minutes)
 Fashion-MNIST (Debian package dataset-fashion-mnist), Tramer & Boneh's
@@ -413,7 +414,7 @@ def main(argv: Sequence[str]) -> None:
     # What a stored run must share with this invocation to be reused.
     settings = dict(common, data_dir=None, public_examples=f.public_examples,
                     rows={row: configs[row] for row in configs})
-    store = RunStore(f.results_json, settings)
+    store = RunStore(f.results_json, settings, union_key='rows')
     start = time.time()
     results = run_study(configs, seeds=seeds, target_epsilons=epsilons,
                         common=common, public_examples=f.public_examples,

@@ -4,7 +4,10 @@
 finished run is written to the file at once, and a rerun with the same
 settings skips the runs the file holds. The file records the settings
 shared by every run; opening it with other settings is refused, so that one
-table never mixes two studies. Format: {"settings": ..., "runs": {key:
+table never mixes two studies. One setting may be a union (`union_key`, the
+accuracy study's rows): an invocation may name fewer or new entries under
+it, but never give a stored name another value, so a study can add rows or
+run a few of them first. Format: {"settings": ..., "runs": {key:
 result}, ...} plus any named entries (`put_entry`, e.g. a search's best
 point).
 """
@@ -19,7 +22,8 @@ from typing import Any, Dict, Optional
 class RunStore:
     """The finished runs of one study, in a JSON file (or in memory)."""
 
-    def __init__(self, path: Optional[str], settings: Dict[str, Any]):
+    def __init__(self, path: Optional[str], settings: Dict[str, Any], *,
+                 union_key: Optional[str] = None):
         self._path = path
         self._settings = json.loads(json.dumps(settings))
         self._runs: Dict[str, Dict[str, Any]] = {}
@@ -27,11 +31,24 @@ class RunStore:
         if path is not None and os.path.exists(path):
             with open(path, encoding='utf-8') as f:
                 saved = json.load(f)
-            if saved.get('settings') != self._settings:
+            stored = saved.get('settings') or {}
+            union = dict(stored.get(union_key) or {}) if union_key else {}
+            if union_key is not None:
+                clashes = sorted(
+                    name for name, value in
+                    self._settings.get(union_key, {}).items()
+                    if union.setdefault(name, value) != value)
+            same = ({k: v for k, v in stored.items() if k != union_key} ==
+                    {k: v for k, v in self._settings.items()
+                     if k != union_key})
+            if not same or (union_key is not None and clashes):
+                what = (f'other settings ({stored})' if not same else
+                        f'other {union_key} {clashes} under the same names')
                 raise ValueError(
-                    f'--results_json={path} holds a study with other '
-                    f'settings ({saved.get("settings")}); use another file '
-                    'or the same settings.')
+                    f'--results_json={path} holds a study with {what}; use '
+                    'another file or the same settings.')
+            if union_key is not None:
+                self._settings[union_key] = union
             self._runs = saved.pop('runs')
             saved.pop('settings')
             self._entries = saved

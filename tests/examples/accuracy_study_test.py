@@ -208,3 +208,32 @@ def test_tuned_rows_take_the_searchs_fixed_settings_and_best_point(tmp_path):
                        (f'row={unfinished}', 'no finished search')):
         with pytest.raises(ValueError, match=match):
             study.tuned_rows([bad])
+
+
+def test_a_study_file_takes_rows_in_parts_but_never_renames_one(tmp_path):
+    path = str(tmp_path / 'runs.json')
+    rows = study.row_configs(batch_size=64, coordinate_sampling_rate=0.5,
+                             d0=100, ranks=[4], basis_refresh_steps=5)
+    part = lambda *names, **common: study.RunStore(
+        path, dict(common or dict(steps=7),
+                   rows={name: rows[name] for name in names}),
+        union_key='rows')
+    part('dpsgd q=q1').put('dpsgd q=q1 | epsilon=1 | seed=0',
+                           dict(test_accuracy=0.5))
+    # Another row joins the study; the first row's run is kept.
+    second = part('twice', 'hybrid')
+    assert second.get('dpsgd q=q1 | epsilon=1 | seed=0') == dict(
+        test_accuracy=0.5)
+    second.put('twice | epsilon=1 | seed=0', dict(test_accuracy=0.6))
+    with open(path, encoding='utf-8') as f:
+        assert set(json.load(f)['settings']['rows']) == {
+            'dpsgd q=q1', 'twice', 'hybrid'}
+    # A stored name with other settings, or other shared settings, is
+    # another study.
+    with pytest.raises(ValueError, match=r"other rows \['twice'\]"):
+        study.RunStore(path, dict(steps=7, rows={'twice': rows['hybrid']}),
+                       union_key='rows')
+    with pytest.raises(ValueError, match='other settings'):
+        part('twice', steps=8)
+    assert part('dpsgd q=q1').get('twice | epsilon=1 | seed=0') == dict(
+        test_accuracy=0.6)
