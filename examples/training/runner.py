@@ -288,6 +288,25 @@ def _per_block(values):
     return values[0] if len(values) == 1 else values
 
 
+def fit(run: Run, stop_after: Optional[int] = None) -> None:
+    """Trains `run` for its remaining steps, or `stop_after` of them."""
+    if run.remaining_steps <= 0:
+        return
+    callbacks = list(run.callbacks)
+    if stop_after is not None:
+        callbacks.append(_StopAfterSteps(stop_after))
+    if run.ledger is not None:
+        run.model.fit(run.dataset, epochs=run.epochs, callbacks=callbacks,
+                      verbose=run.config.verbose)
+    else:
+        # The dataset shuffles itself (Keras 3 warns about its own default
+        # shuffle=True for a dataset).
+        run.model.fit(run.dataset, epochs=run.epochs,
+                      steps_per_epoch=run.steps_per_iteration,
+                      callbacks=callbacks, verbose=run.config.verbose,
+                      shuffle=False)
+
+
 def train(config: Any, data: Optional[Data] = None, *,
           evaluate_test: bool = True) -> Dict[str, Any]:
     """Builds and runs one training run; returns its results.
@@ -316,17 +335,7 @@ def train(config: Any, data: Optional[Data] = None, *,
         _print_plan(run)
     iterations_before = int(run.model.optimizer.iterations.numpy())
     start = time.time()
-    if run.remaining_steps > 0:
-        if run.ledger is not None:
-            run.model.fit(run.dataset, epochs=run.epochs,
-                          callbacks=run.callbacks, verbose=config.verbose)
-        else:
-            # The dataset shuffles itself (Keras 3 warns about its own
-            # default shuffle=True for a dataset).
-            run.model.fit(run.dataset, epochs=run.epochs,
-                          steps_per_epoch=run.steps_per_iteration,
-                          callbacks=run.callbacks, verbose=config.verbose,
-                          shuffle=False)
+    fit(run)
     seconds = time.time() - start
     steps = int(run.model.optimizer.iterations.numpy()) - iterations_before
     test_loss = test_accuracy = None

@@ -6,8 +6,10 @@ and that basis into the per-block config that training runs (the global l2
 budget split over blocks by one of ``budget_splits.BUDGET_SPLITS``, from the
 public statistics of ``block_statistics``; l-infinity clips; per-block noise
 optimised for a budget), and ``budgets.replanned_block_scales`` re-splits
-that budget at a basis refresh, at the same epsilon; ``diagnostics.gradient_geometry`` measures the
-per-example geometry that hybrid clipping exploits;
+that budget at a basis refresh, at the same epsilon;
+``diagnostics.gradient_geometry`` measures the per-example geometry that
+hybrid clipping exploits, ``stages.staged_updates`` a mechanism's update
+after its clip, masks and noise;
 ``gradients.read_gradients`` is the one reader of public per-example
 gradients they share. The training step that uses basis and config is
 ``tf_twice.mechanism.hybrid``.
@@ -32,4 +34,6 @@ from tf_twice.hybrid.learning import group_matrices
 from tf_twice.hybrid.learning import groups_by_layer
 from tf_twice.hybrid.learning import learn_basis
 from tf_twice.hybrid.learning import partition_variables
+from tf_twice.hybrid.stages import STAGES
+from tf_twice.hybrid.stages import staged_updates
 from tf_twice.hybrid.learning import split_group_ranks
