@@ -188,7 +188,9 @@ def hybrid_blocks_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
     return dict(settings=hybrid_record(config, plan),
                 l2_norm_clip=list(mechanism.l2_norm_clips),
                 linf_norm_clip=list(mechanism.linf_norm_clips),
-                noise_multiplier=list(mechanism.noise_multipliers))
+                noise_multiplier=list(mechanism.noise_multipliers),
+                coordinate_sampling_rate=list(
+                    mechanism.coordinate_sampling_rates))
 
 
 def learn_public_basis(config: TrainConfig, plan: Plan, data: data_lib.Data,
@@ -227,12 +229,16 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
     if recorded is not None and recorded.get('settings') == json.loads(
             json.dumps(record)):
         basis, _ = learn_public_basis(config, plan, data, inner, seed)
+        # Records before per-block rates were kept hold none: every block
+        # then had the config's rate.
+        rates = recorded.get('coordinate_sampling_rate',
+                             [None] * len(recorded['l2_norm_clip']))
         blocks = tuple(
             tf_twice.Block(l2_norm_clip=c2, linf_norm_clip=c_inf,
-                           noise_multiplier=z)
-            for c2, c_inf, z in zip(recorded['l2_norm_clip'],
-                                    recorded['linf_norm_clip'],
-                                    recorded['noise_multiplier']))
+                           noise_multiplier=z, coordinate_sampling_rate=q2)
+            for c2, c_inf, z, q2 in zip(recorded['l2_norm_clip'],
+                                        recorded['linf_norm_clip'],
+                                        recorded['noise_multiplier'], rates))
         mechanism = tf_twice.TwiceSamplingConfig(
             num_examples=one_block.num_examples,
             expected_batch_size=one_block.expected_batch_size,

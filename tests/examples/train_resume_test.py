@@ -126,13 +126,16 @@ def test_resume_refuses_another_mode(digits, tmp_path):
 
 def test_hybrid_resume_keeps_the_blocks(tmp_path):
     data = data_lib.load_data('digits', public_examples=50)
+    # Unmasked principal blocks: their rate is part of the blocks too.
     config = dict(HYBRID, target_epsilon=None, noise_multiplier=1.0,
+                  principal_coordinate_sampling_rate=1.0,
                   checkpoint_dir=str(tmp_path / 'run'))
     first = runner.train(dict(config, steps=2), data=data)
     second = runner.train(dict(config, steps=4), data=data)
     assert second['resumed_steps'] == 2 and second['total_steps'] == 4
     assert second['optimizer_steps'] == 4
     assert second['l2_norm_clip'] == first['l2_norm_clip']
+    assert second['coordinate_sampling_rate'] == [1.0, 0.5]
     assert second['statement_epsilon'] == pytest.approx(
         second['epsilon'], rel=1e-9)
     # Other blocks (here: l-infinity clips of the principal block) are
