@@ -21,8 +21,10 @@ optimiser and global l2 clip, each with its noise calibrated to the same
 * by name only (`--rows`), hybrid's variants: `hybrid unmasked` (principal
   blocks without masks, examples/train.py
   --principal_coordinate_sampling_rate=1), `hybrid replanned` (budgets
-  re-split at every basis refresh, --replan_budgets) and `hybrid unmasked
-  replanned` (both).
+  re-split at every basis refresh, --replan_budgets), `hybrid unmasked
+  replanned` (both) and `hybrid by progress` (keep rate of the principal
+  blocks and noise objective chosen by public one-step progress,
+  --plan_by_progress, budgets re-planned).
 
 Tuned rows (`--tuned=NAME=FILE`, from examples/tune.py): the row NAME (one
 of the above, or a new one) takes the settings the search fixed and the best
@@ -85,6 +87,7 @@ HYBRID_VARIANTS = {
     'hybrid replanned': dict(replan_budgets=True),
     'hybrid unmasked replanned': dict(principal_coordinate_sampling_rate=1.0,
                                       replan_budgets=True),
+    'hybrid by progress': dict(plan_by_progress=True, replan_budgets=True),
 }
 
 # Published test accuracies (label, epsilon, accuracy %) at delta = 1e-5,

@@ -241,6 +241,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          'the public gradients at every basis refresh, at the '
                          'same epsilon (tf_twice.hybrid.'
                          'replanned_block_scales).', **fv)
+    flags.DEFINE_boolean('plan_by_progress', defaults.plan_by_progress,
+                         'Hybrid: choose the principal blocks\' keep rate '
+                         '(--coordinate_sampling_rate or 1) and, with the '
+                         'noise optimised, --noise_objective by the public '
+                         'one-step loss decrease of each plan\'s update '
+                         '(tf_twice.keras.plan_progress).', **fv)
     flags.DEFINE_enum('noise_objective', defaults.noise_objective,
                       list(NOISE_OBJECTIVES),
                       'Hybrid, noise optimised per block: what it minimises '

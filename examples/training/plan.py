@@ -22,6 +22,7 @@ from tf_twice import accounting
 from tf_twice import hybrid
 import tf_twice.keras as private_keras
 from tf_twice.keras import basis_refresh
+from tf_twice.keras import plan_progress
 from tf_twice.mechanism import basis as basis_lib
 
 from examples.training import data as data_lib
@@ -56,6 +57,9 @@ class Plan:
     steps_per_epoch: int
     planned_steps: int
     ranks: Tuple[int, ...] = ()
+    # --plan_by_progress: the chosen candidate and every candidate's mean
+    # public one-step loss decrease.
+    progress: Optional[Dict[str, Any]] = None
 
 
 def num_epochs_for_steps(n: int, batch_size: float, steps: int) -> float:
@@ -220,8 +224,12 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
     `--noise_multiplier` on every block or optimised per block
     (`--noise_objective`) for the target epsilon after the planned steps).
     All of it comes from public data and the flags, never from the private
-    set. A resumed run with the same settings reuses the recorded clips and
-    noise with a basis learned at the restored weights.
+    set. With `--plan_by_progress` the principal keep rate (the residual's
+    or 1) and, with the noise optimised, the noise objective are chosen by
+    `tf_twice.keras.plan_progress.choose_plan` (the public one-step loss
+    decrease of each plan's update at `--learning_rate`). A resumed run
+    with the same settings reuses the recorded blocks (clips, noise, keep
+    rates) with a basis learned at the restored weights.
     """
     seed = 0 if config.seed is None else config.seed
     one_block = plan.mechanism
@@ -249,25 +257,47 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
     budget = {} if one_block.is_calibrated else dict(
         target_epsilon=plan.target_epsilon, delta=plan.delta,
         steps=plan.planned_steps)
-    try:
-        mechanism, basis = private_keras.plan_hybrid_clipping(
-            inner, modeling.per_example_loss(),
-            data_lib.to_unit_float(data.x_public), data.y_public, one_block,
-            seed=seed, batch_size=config.physical_batch_size,
-            residual_d0=plan.d0, principal_d0=float(config.principal_d0),
-            budget_split=config.budget_split,
-            budget_quantile=config.budget_quantile,
-            noise_objective=config.noise_objective,
-            principal_coordinate_sampling_rate=(
-                config.principal_coordinate_sampling_rate),
-            **basis_kwargs(config, plan), **budget)
-    except ValueError as e:
-        if not budget:
-            raise
-        raise ValueError(f'--target_epsilon={plan.target_epsilon:g} '
-                         f'cannot be met: {e}') from e
+    public_x = data_lib.to_unit_float(data.x_public)
+
+    def planned(rate, objective) -> private_keras.HybridPlan:
+        try:
+            return private_keras.plan_hybrid_clipping(
+                inner, modeling.per_example_loss(), public_x, data.y_public,
+                one_block, seed=seed, batch_size=config.physical_batch_size,
+                residual_d0=plan.d0, principal_d0=float(config.principal_d0),
+                budget_split=config.budget_split,
+                budget_quantile=config.budget_quantile,
+                noise_objective=objective,
+                principal_coordinate_sampling_rate=rate,
+                **basis_kwargs(config, plan), **budget)
+        except ValueError as e:
+            if not budget:
+                raise
+            raise ValueError(f'--target_epsilon={plan.target_epsilon:g} '
+                             f'cannot be met: {e}') from e
+
+    progress = None
+    if not config.plan_by_progress:
+        mechanism, basis = planned(config.principal_coordinate_sampling_rate,
+                                   config.noise_objective)
+    else:
+        # Candidates from public data only; the choice reads public data.
+        objectives = settings.NOISE_OBJECTIVES if budget else (
+            config.noise_objective,)
+        candidates = {
+            f'principal rate {rate:g}, {objective}': planned(rate, objective)
+            for rate in sorted({one_block.coordinate_sampling_rate, 1.0})
+            for objective in objectives}
+        best, scores = plan_progress.choose_plan(
+            inner, modeling.per_example_loss(), public_x, data.y_public,
+            candidates, learning_rate=float(config.learning_rate), seed=seed,
+            batch_size=config.physical_batch_size)
+        mechanism, basis = candidates[best]
+        progress = dict(chosen=best, decreases={
+            name: score.mean for name, score in scores.items()})
     return dataclasses.replace(plan, mechanism=mechanism,
-                               ranks=tuple(basis.ranks)), basis
+                               ranks=tuple(basis.ranks),
+                               progress=progress), basis
 
 
 def privacy_statement(plan: Plan, steps: int) -> Tuple[str, float]:

@@ -372,6 +372,8 @@ def train(config: Any, data: Optional[Data] = None, *,
         epsilon=None, statement_epsilon=None, statement=None,
         stopped_by_budget=False, test_loss=test_loss,
         test_accuracy=test_accuracy, train_seconds=seconds)
+    if plan.progress is not None:
+        results['plan_by_progress'] = plan.progress
     if config.replan_budgets:
         # The last re-plan's clips: the config's times the block scales.
         results['replanned_l2_norm_clip'] = [

@@ -71,6 +71,7 @@ class TrainConfig:
     budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT
     budget_quantile: Optional[float] = None
     replan_budgets: bool = False
+    plan_by_progress: bool = False
     noise_objective: str = hybrid_budgets.NOISE_OBJECTIVES[0]
     epochs: Optional[float] = None
     steps: Optional[int] = None
@@ -236,6 +237,7 @@ def check_config(config: Any) -> TrainConfig:
     check_noise_objective(config)
     check_principal_coordinate_sampling_rate(config)
     check_replan_budgets(config)
+    check_plan_by_progress(config)
     if config.epochs is not None and config.steps is not None:
         raise ValueError('give at most one of --epochs and --steps; got '
                          'both.')
@@ -318,6 +320,24 @@ def check_replan_budgets(config: TrainConfig) -> None:
                          '--basis_refresh_steps >= 1', config.replan_budgets)
 
 
+def check_plan_by_progress(config: TrainConfig) -> None:
+    """--plan_by_progress: hybrid only; it chooses the principal keep rate
+    and the noise objective, so neither may be given."""
+    if not config.plan_by_progress:
+        return
+    if config.mode != 'hybrid':
+        raise flag_error('plan_by_progress', 'false unless --mode=hybrid',
+                         config.plan_by_progress)
+    if config.principal_coordinate_sampling_rate is not None:
+        raise flag_error('principal_coordinate_sampling_rate',
+                         'unset with --plan_by_progress (which chooses it)',
+                         config.principal_coordinate_sampling_rate)
+    if config.noise_objective != NOISE_OBJECTIVES[0]:
+        raise flag_error('noise_objective', f'{NOISE_OBJECTIVES[0]} (or '
+                         'unset) with --plan_by_progress (which chooses it)',
+                         config.noise_objective)
+
+
 def check_noise_objective(config: TrainConfig) -> None:
     """--noise_objective: hybrid only, with the per-block noise optimised."""
     check_choice('noise_objective', config.noise_objective, NOISE_OBJECTIVES)
@@ -332,8 +352,9 @@ def check_noise_objective(config: TrainConfig) -> None:
 
 def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
     """--budget_split, --budget_quantile, --noise_objective,
-    --principal_coordinate_sampling_rate and --replan_budgets (how the
-    blocks' clips, noise and masks are planned), only when not the defaults:
+    --principal_coordinate_sampling_rate, --replan_budgets and
+    --plan_by_progress (how the blocks' clips, noise and masks are planned),
+    only when not the defaults:
     records written before these flags existed stay equal to the default
     run's (resumes and stored results stay valid)."""
     settings: Dict[str, Any] = {}
@@ -348,6 +369,8 @@ def budget_split_settings(config: TrainConfig) -> Dict[str, Any]:
             config.principal_coordinate_sampling_rate)
     if config.replan_budgets:
         settings['replan_budgets'] = True
+    if config.plan_by_progress:
+        settings['plan_by_progress'] = True
     return settings
 
 

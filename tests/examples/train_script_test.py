@@ -228,6 +228,28 @@ def test_hybrid_mode_with_unmasked_principal_blocks():
     assert 'q2 = (1, 0.5)' in results['statement']
 
 
+def test_hybrid_mode_planned_by_public_progress():
+    data = data_lib.load_data('digits', public_examples=50)
+    results = runner.train(dict(HYBRID, plan_by_progress=True), data=data)
+    progress = results['plan_by_progress']
+    # Masked or unmasked principal block, each noise objective.
+    assert set(progress['decreases']) == {
+        f'principal rate {rate}, {objective}' for rate in ('0.5', '1')
+        for objective in ('total_variance', 'public_fisher')}
+    best = max(progress['decreases'], key=progress['decreases'].get)
+    assert progress['chosen'] == best
+    rate = 1.0 if best.startswith('principal rate 1,') else 0.5
+    assert results['coordinate_sampling_rate'] == (
+        0.5 if rate == 0.5 else [1.0, 0.5])
+    check_private(results, 3)
+    with pytest.raises(ValueError, match='--principal_coordinate_sampling'):
+        runner.build_run(dict(HYBRID, plan_by_progress=True,
+                              principal_coordinate_sampling_rate=1.0),
+                         data=data)
+    with pytest.raises(ValueError, match='--plan_by_progress'):
+        runner.build_run(dict(FAST, plan_by_progress=True), data=data)
+
+
 def test_hybrid_mode_with_replanned_budgets():
     data = data_lib.load_data('digits', public_examples=50)
     plain = runner.train(HYBRID, data=data)  # A refresh every 2 steps.
