@@ -40,7 +40,6 @@ from tf_twice import _keras
 from tf_twice import _validate
 from tf_twice import config as config_lib
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
-from tf_twice.keras import class_weights
 from tf_twice.keras import dp_step
 from tf_twice.keras import fit_checks
 from tf_twice.keras import guards
@@ -373,19 +372,11 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
                                  strict=not allow_non_poisson_input,
                                  nonprivate_prefix=NONPRIVATE_PREFIX)
             # After the checks, which read the Poisson marker map drops.
-            x, args, kwargs = class_weights.apply_class_weight(x, y, args,
-                                                               kwargs)
-            is_dataset = isinstance(x, tf.data.Dataset)
-            if is_dataset and getattr(self, 'jit_compile', False) is True:
-                # XLA drops the step's refusal of weights outside [0, 1]
-                # (the step gives them weight 0): refused here, before.
-                x = x.map(per_example.with_checked_weights)
-            if is_dataset and len(args) < 3:
-                # Each element is one logical batch: nothing to shuffle
-                # (Keras 3 warns about its default shuffle=True).
-                kwargs.setdefault('shuffle', False)
+            x, args, kwargs = fit_checks.prepared_input(self, x, y, args,
+                                                        kwargs)
             object.__setattr__(self, '_fit_element_spec',
-                               x.element_spec if is_dataset else None)
+                               x.element_spec if isinstance(
+                                   x, tf.data.Dataset) else None)
             return super().fit(x, y, batch_size, epochs, verbose, callbacks,
                                *args, **kwargs)
         finally:

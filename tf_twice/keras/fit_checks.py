@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import tensorflow as tf
 
 from tf_twice.keras import basis_refresh
+from tf_twice.keras import class_weights
 from tf_twice.keras import guards
 from tf_twice.keras import layer_state
 from tf_twice.keras import ledger as ledger_lib
@@ -134,6 +135,24 @@ def check_fit(model: Any, x: Any, callbacks: Any, args: Sequence[Any],
     layer_state.check_no_input_dependent_state(
         model.inner_model, layer_state.input_spec_of(x),
         model.distribute_strategy)
+
+
+def prepared_input(model: Any, x: Any, y: Any, args: Sequence[Any],
+                   kwargs: Mapping[str, Any]):
+    """``fit``'s (x, args, kwargs) once checked: class weights applied by
+    tf_twice (``class_weights``), dataset weights checked before an XLA
+    step, no shuffle of logical batches."""
+    x, args, kwargs = class_weights.apply_class_weight(x, y, args, kwargs)
+    if isinstance(x, tf.data.Dataset):
+        if getattr(model, 'jit_compile', False) is True:
+            # XLA drops the step's refusal of weights outside [0, 1] (the
+            # step gives them weight 0): refused here, before.
+            x = x.map(per_example.with_checked_weights)
+        if len(args) < 3:
+            # Each element is one logical batch: nothing to shuffle (Keras
+            # 3 warns about its default shuffle=True).
+            kwargs.setdefault('shuffle', False)
+    return x, args, kwargs
 
 
 def end_fit(model: Any, callbacks: Any) -> None:
