@@ -428,6 +428,37 @@ def test_keras_public_gradients_match_tape():
                                atol=1e-6)
 
 
+def test_public_gradients_reuse_their_trace_and_follow_the_model():
+    model = tf.keras.Sequential([tf.keras.layers.Input((5,)),
+                                 tf.keras.layers.Dense(4, activation='tanh'),
+                                 tf.keras.layers.Dense(3)])
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((7, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 7)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def expected():
+        with tf.GradientTape() as tape:
+            value = loss(y[6:], model(x[6:]))  # The padded chunk's row.
+        return tape.gradient(value, model.trainable_variables)
+
+    basis_refresh.public_per_example_gradients(model, loss, x, y,
+                                               batch_size=3)
+    model.set_weights([w + 0.5 for w in model.get_weights()])
+    grads = basis_refresh.public_per_example_gradients(model, loss, x, y,
+                                                       batch_size=3)
+    for g, e in zip(grads, expected()):
+        np.testing.assert_allclose(g[6], e.numpy(), atol=1e-6)
+    (traced,) = basis_refresh._TRACED[model].values()
+    assert traced.experimental_get_tracing_count() == 1
+    model.layers[0].trainable = False  # Other variables: another trace.
+    grads = basis_refresh.public_per_example_gradients(model, loss, x, y,
+                                                       batch_size=3)
+    assert [g.shape for g in grads] == [(7, 4, 3), (7, 3)]
+    for g, e in zip(grads, expected()):
+        np.testing.assert_allclose(g[6], e.numpy(), atol=1e-6)
+
+
 def test_basis_refresh_callback_refreshes_every_k_steps():
     model = _tiny_model(1)
     model.compile(optimizer=tf.keras.optimizers.SGD(0.5),

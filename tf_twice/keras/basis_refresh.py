@@ -12,6 +12,7 @@ read, so a refreshed basis is post-processing and costs no privacy.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -73,21 +74,48 @@ def public_per_example_gradients(
     if not variables:
         raise ValueError('model has no trainable variables.')
 
-    @tf.function
+    chunk_gradients = _traced_gradients(model, per_example_loss, loss_fn,
+                                        training)
+    size = min(batch_size, n)
+    chunks = [[] for _ in variables]
+    for start in range(0, n, size):
+        # The last chunk is padded with the first rows to the chunks' size
+        # (its extra gradients dropped): one trace serves every chunk.
+        rows = np.arange(start, start + size) % n
+        grads = _in_one_replica(
+            chunk_gradients,
+            tf.nest.map_structure(lambda t: tf.gather(t, rows), x),
+            tf.gather(y, rows))
+        kept = min(size, n - start)
+        for v, g in enumerate(grads):
+            chunks[v].append(g.numpy()[:kept].astype(np.float32, copy=False))
+    return [np.concatenate(c, axis=0) for c in chunks]
+
+
+# model -> {(loss, training, variables): traced chunk gradients}: a basis
+# refresh every K steps reuses its trace instead of tracing the per-example
+# graph again (seconds for a CNN, at every refresh).
+_TRACED = weakref.WeakKeyDictionary()
+
+
+def _traced_gradients(model, per_example_loss, loss_fn, training):
     def chunk_gradients(xc, yc):
         # The DP step's own per-example losses and gradients.
         return per_example.gradients(model, loss_fn, xc, yc,
                                      training=training).gradients
 
-    chunks = [[] for _ in variables]
-    for start in range(0, n, batch_size):
-        grads = _in_one_replica(
-            chunk_gradients,
-            tf.nest.map_structure(lambda t: t[start:start + batch_size], x),
-            y[start:start + batch_size])
-        for v, g in enumerate(grads):
-            chunks[v].append(g.numpy().astype(np.float32, copy=False))
-    return [np.concatenate(c, axis=0) for c in chunks]
+    try:
+        # The loss object itself (kept alive here), never an id that a
+        # new loss could reuse; the variables, which a frozen layer
+        # changes (their ids: the trace keeps them alive).
+        key = (per_example_loss, training,
+               tuple(id(v) for v in model.trainable_variables))
+        traced = _TRACED.setdefault(model, {})
+        if key not in traced:
+            traced[key] = tf.function(chunk_gradients)
+        return traced[key]
+    except TypeError:  # An unhashable model or loss: traced once per call.
+        return tf.function(chunk_gradients)
 
 
 def _in_one_replica(fn, *args):
