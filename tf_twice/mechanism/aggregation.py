@@ -51,7 +51,9 @@ Validation. These functions are public and take raw numbers, so they check
 their arguments (``validate_params``, per block; see ``arguments``) although
 the training paths pass a ``TwiceSamplingConfig`` that is already validated:
 the checks are host-side Python, run when a step is traced, not in the step's
-graph. The per-tensor clip, mask and sum kernels are in ``kernels``; a
+graph. ``config_block_sums`` and ``config_noisy_block_sums`` take a
+``TwiceSamplingConfig`` instead, whose numbers were checked when it was
+built: the training step calls them. The per-tensor clip, mask and sum kernels are in ``kernels``; a
 tensor that is a batch of outer products (a dense kernel's per-example
 gradients) is read from its factors (``outer_products``), the same numbers.
 """
@@ -63,6 +65,7 @@ import tensorflow as tf
 
 # The q2 arithmetic belongs to the TF-free config; the kernel uses the same
 # definition.
+from tf_twice import config as config_lib
 from tf_twice.config import effective_coordinate_sampling_rate
 from tf_twice.mechanism import kernels
 from tf_twice.mechanism import outer_products
@@ -81,6 +84,8 @@ __all__ = [
     'add_noise_and_normalize',
     'clipped_masked_block_sums',
     'clipped_masked_sum',
+    'config_block_sums',
+    'config_noisy_block_sums',
     'validate_params',
 ]
 
@@ -163,6 +168,36 @@ def clipped_masked_block_sums(
                                 coordinate_sampling_rate, num_blocks)
     validate_each_block(l2_norm_clip=clips, linf_norm_clip=linf,
                         coordinate_sampling_rate=rates)
+    return _block_sums(blocks, clips, linf, rates, weights, key,
+                       example_offset, masks, jit_compile)
+
+
+def config_block_sums(
+    blocks: Sequence[Sequence[tf.Tensor]],
+    config: config_lib.TwiceSamplingConfig,
+    *,
+    weights: Optional[tf.Tensor] = None,
+    key: Optional[tf.Tensor] = None,
+    example_offset: TensorLike = 0,
+    masks: Optional[Sequence[Sequence[tf.Tensor]]] = None,
+    jit_compile: bool = True,
+) -> List[List[tf.Tensor]]:
+    """``clipped_masked_block_sums`` with ``config``'s clips and rates,
+    one block per Block: the config validated them when it was built, so
+    they are not checked again at every trace."""
+    blocks = check_blocks(blocks)
+    if len(blocks) != config.num_blocks:
+        raise ValueError(f'blocks must hold one block per Block of the '
+                         f'config ({config.num_blocks}); got {len(blocks)}.')
+    return _block_sums(blocks, config.l2_norm_clips, config.linf_norm_clips,
+                       config.coordinate_sampling_rates, weights, key,
+                       example_offset, masks, jit_compile)
+
+
+def _block_sums(blocks, clips, linf, rates, weights, key, example_offset,
+                masks, jit_compile) -> List[List[tf.Tensor]]:
+    """Steps 1-4 on checked blocks, clips and rates."""
+    num_blocks = len(blocks)
     dtype = precision.accumulation_dtype(
         *(g.dtype for block in blocks for g in block))
     blocks = [[tf.cast(g, dtype) for g in block] for block in blocks]
@@ -178,7 +213,7 @@ def clipped_masked_block_sums(
     elif min(rates) < 1 and key is None:
         raise ValueError(
             'key (from draw_step_key) or masks is required when '
-            f'coordinate_sampling_rate < 1, got {coordinate_sampling_rate}.')
+            f'coordinate_sampling_rate < 1, got {tuple(rates)}.')
     if weights is not None:
         weights = _check_weights(weights, dtype)
 
@@ -326,6 +361,40 @@ def add_block_noise_and_normalize(
     validate_each_block(l2_norm_clip=clips, noise_multiplier=zs,
                         coordinate_sampling_rate=rates)
     validate_params(expected_batch_size=expected_batch_size)
+    return _noisy_block_sums(block_sums, clips, zs, expected_batch_size,
+                             rates, key, noise, noise_dtype)
+
+
+def config_noisy_block_sums(
+    block_sums: Sequence[Sequence[tf.Tensor]],
+    config: config_lib.TwiceSamplingConfig,
+    *,
+    key: Optional[tf.Tensor] = None,
+    noise: Optional[Sequence[Sequence[tf.Tensor]]] = None,
+    noise_dtype: tf.DType = precision.BATCH_SUM_DTYPE,
+) -> List[List[tf.Tensor]]:
+    """``add_block_noise_and_normalize`` with ``config``'s clips, noise
+    multipliers, expected batch size and rates (validated when the config
+    was built, not again at every trace). A config not yet calibrated is
+    refused."""
+    if len(block_sums) != config.num_blocks:
+        raise ValueError(f'block_sums must hold one block per Block of the '
+                         f'config ({config.num_blocks}); got '
+                         f'{len(block_sums)}.')
+    if not config.is_calibrated:
+        raise ValueError('the config has no noise multiplier yet: calibrate '
+                         'it (TwiceSamplingConfig.calibrate) before a step.')
+    return _noisy_block_sums(block_sums, config.l2_norm_clips,
+                             config.noise_multipliers,
+                             config.expected_batch_size,
+                             config.coordinate_sampling_rates, key, noise,
+                             noise_dtype)
+
+
+def _noisy_block_sums(block_sums, clips, zs, expected_batch_size, rates, key,
+                      noise, noise_dtype) -> List[List[tf.Tensor]]:
+    """Steps 5-6 on checked clips, noise multipliers and rates."""
+    num_blocks = len(block_sums)
     if noise is not None:
         noise = per_block('noise', noise, num_blocks)
     out = []

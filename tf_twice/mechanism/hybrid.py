@@ -335,16 +335,9 @@ def block_sums(per_example_grads: Sequence[tf.Tensor],
     check_block_params(config, basis)
     blocks = split_into_blocks(per_example_grads, basis, matrices,
                                block_scales)
-    return aggregation.clipped_masked_block_sums(
-        blocks,
-        l2_norm_clips=config.l2_norm_clips,
-        linf_norm_clips=config.linf_norm_clips,
-        coordinate_sampling_rate=config.coordinate_sampling_rates,
-        weights=weights,
-        key=key,
-        example_offset=example_offset,
-        masks=masks,
-        jit_compile=jit_compile)
+    return aggregation.config_block_sums(
+        blocks, config, weights=weights, key=key,
+        example_offset=example_offset, masks=masks, jit_compile=jit_compile)
 
 
 def noisy_update(sums: BlockSums,
@@ -372,15 +365,8 @@ def noisy_update(sums: BlockSums,
       shape); rounding it to the variable's dtype is post-processing.
     """
     check_block_params(config, basis)
-    noisy = aggregation.add_block_noise_and_normalize(
-        sums,
-        l2_norm_clips=config.l2_norm_clips,
-        noise_multipliers=config.noise_multipliers,
-        expected_batch_size=config.expected_batch_size,
-        coordinate_sampling_rate=config.coordinate_sampling_rates,
-        key=key,
-        noise=noise,
-        noise_dtype=noise_dtype)
+    noisy = aggregation.config_noisy_block_sums(
+        sums, config, key=key, noise=noise, noise_dtype=noise_dtype)
     if basis is None:
         return noisy[0]
     if block_scales is not None:  # Post-processing: see split_into_blocks.
