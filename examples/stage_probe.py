@@ -20,8 +20,9 @@ of 1e-3). The stage after which the decrease falls is where a mechanism loses:
 masks on hybrid clipping's principal coefficients were found this way
 (docs/hybrid_clipping.md). Hybrid rows plan their basis and budgets from the
 PUBLIC split at the probed weights (what `--replan_budgets` does at a basis
-refresh). This is a measurement on private data: it releases nothing and
-makes no privacy claim.
+refresh). The table is computed from private examples, two of its stages
+without noise: it is NOT differentially private (keep it as private as the
+data). No model, checkpoint or ledger leaves the probe.
 
 Run: python examples/stage_probe.py   (digits, about a minute)
 Fashion-MNIST, ScatterNet + linear, the hybrid study's setting:
@@ -241,7 +242,8 @@ def run_probes(f) -> Dict[int, Decreases]:
             draws=f.draws, eval_examples=f.eval_examples, seed=f.seed,
             physical_batch_size=common.physical_batch_size)
         print()
-        print(f'After {steps} steps of {f.reference_mode} (of '
+        print(f'Not DP (private examples, noise-free stages). After {steps} '
+              f'steps of {f.reference_mode} (of '
               f'{reference.planned_steps} planned): one-step decrease of the '
               f'training loss x 1e3, learning rate {common.learning_rate:g}, '
               f'{f.draws} batches of expected size '

@@ -243,8 +243,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          'replanned_block_scales).', **fv)
     flags.DEFINE_boolean('plan_by_progress', defaults.plan_by_progress,
                          'Hybrid: choose the principal blocks\' keep rate '
-                         '(--coordinate_sampling_rate or 1) and, with the '
-                         'noise optimised, --noise_objective by the public '
+                         '(--coordinate_sampling_rate or 1) and '
+                         '--noise_objective, noise calibrated, by the public '
                          'one-step loss decrease of each plan\'s update '
                          '(tf_twice.keras.plan_progress).', **fv)
     flags.DEFINE_enum('noise_objective', defaults.noise_objective,

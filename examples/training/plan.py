@@ -189,7 +189,8 @@ def hybrid_blocks_record(config: TrainConfig, plan: Plan) -> Dict[str, Any]:
     """run.json's record of a hybrid run's blocks, with what determined them
     (`hybrid_setup` reuses the blocks when a resumed run has the same)."""
     mechanism = plan.mechanism
-    return dict(settings=hybrid_record(config, plan),
+    extra = {} if plan.progress is None else dict(progress=plan.progress)
+    return dict(settings=hybrid_record(config, plan), **extra,
                 l2_norm_clip=list(mechanism.l2_norm_clips),
                 linf_norm_clip=list(mechanism.linf_norm_clips),
                 noise_multiplier=list(mechanism.noise_multipliers),
@@ -252,8 +253,9 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
             expected_batch_size=one_block.expected_batch_size,
             coordinate_sampling_rate=one_block.coordinate_sampling_rate,
             blocks=blocks).with_dimensions(basis.block_dimensions)
-        return dataclasses.replace(plan, mechanism=mechanism,
-                                   ranks=tuple(basis.ranks)), basis
+        return dataclasses.replace(
+            plan, mechanism=mechanism, ranks=tuple(basis.ranks),
+            progress=recorded.get('progress')), basis
     budget = {} if one_block.is_calibrated else dict(
         target_epsilon=plan.target_epsilon, delta=plan.delta,
         steps=plan.planned_steps)
@@ -281,16 +283,17 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
         mechanism, basis = planned(config.principal_coordinate_sampling_rate,
                                    config.noise_objective)
     else:
-        # Candidates from public data only; the choice reads public data.
-        objectives = settings.NOISE_OBJECTIVES if budget else (
-            config.noise_objective,)
+        # Candidates from public data only, each calibrated for the run's
+        # target (check_plan_by_progress); the choice reads public data and
+        # a fixed seed.
+        objectives = settings.NOISE_OBJECTIVES
         candidates = {
             f'principal rate {rate:g}, {objective}': planned(rate, objective)
             for rate in sorted({one_block.coordinate_sampling_rate, 1.0})
             for objective in objectives}
         best, scores = plan_progress.choose_plan(
             inner, modeling.per_example_loss(), public_x, data.y_public,
-            candidates, learning_rate=float(config.learning_rate), seed=seed,
+            candidates, learning_rate=float(config.learning_rate), seed=0,
             batch_size=config.physical_batch_size)
         mechanism, basis = candidates[best]
         progress = dict(chosen=best, decreases={

@@ -325,8 +325,11 @@ def check_plan_by_progress(config: TrainConfig) -> None:
     and the noise objective, so neither may be given."""
     if not config.plan_by_progress:
         return
-    if config.mode != 'hybrid':
-        raise flag_error('plan_by_progress', 'false unless --mode=hybrid',
+    if config.mode != 'hybrid' or config.noise_multiplier is not None:
+        # With a fixed noise multiplier another keep rate is another
+        # epsilon: the choice would set the run's epsilon.
+        raise flag_error('plan_by_progress', 'false unless --mode=hybrid '
+                         'calibrates its noise (no --noise_multiplier)',
                          config.plan_by_progress)
     if config.principal_coordinate_sampling_rate is not None:
         raise flag_error('principal_coordinate_sampling_rate',

@@ -136,6 +136,16 @@ def test_hybrid_resume_keeps_the_blocks(tmp_path):
     assert second['optimizer_steps'] == 4
     assert second['l2_norm_clip'] == first['l2_norm_clip']
     assert second['coordinate_sampling_rate'] == [1.0, 0.5]
+    # Blocks chosen by public progress (noise calibrated: the same plan)
+    # resume with their choice.
+    chosen = dict(HYBRID, plan_by_progress=True, steps=2,
+                  checkpoint_dir=str(tmp_path / 'chosen'))
+    first = runner.train(chosen, data=data)
+    second = runner.train(chosen, data=data)
+    assert (second['resumed_steps'], second['steps']) == (2, 0)
+    assert second['plan_by_progress'] == first['plan_by_progress']
+    assert second['coordinate_sampling_rate'] == (
+        first['coordinate_sampling_rate'])
     assert second['statement_epsilon'] == pytest.approx(
         second['epsilon'], rel=1e-9)
     # Other blocks (here: l-infinity clips of the principal block) are

@@ -248,6 +248,11 @@ def test_hybrid_mode_planned_by_public_progress():
                          data=data)
     with pytest.raises(ValueError, match='--plan_by_progress'):
         runner.build_run(dict(FAST, plan_by_progress=True), data=data)
+    # A fixed noise multiplier: another keep rate would be another epsilon.
+    with pytest.raises(ValueError, match='--plan_by_progress.*calibrates'):
+        runner.build_run(dict(HYBRID, plan_by_progress=True,
+                              target_epsilon=None, noise_multiplier=1.0),
+                         data=data)
 
 
 def test_hybrid_mode_with_replanned_budgets():

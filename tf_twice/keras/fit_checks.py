@@ -29,7 +29,7 @@ from tf_twice.keras import ledger as ledger_lib
 from tf_twice.keras import per_example
 
 __all__ = ['check_batches_fit_model', 'check_fit', 'end_fit',
-           'with_attached_ledger']
+           'prepared_input', 'with_attached_ledger']
 
 _LOGGER = logging.getLogger(__name__)
 

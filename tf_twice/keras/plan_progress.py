@@ -19,10 +19,14 @@ private update does to the loss, on PUBLIC data only:
    restored.
 
 ``choose_plan`` scores candidates on the same batches and keys and returns
-the best. Only public data, the weights and public seeds are read, every
-candidate is a config for the same budget, and the chosen config is the one
-the ledger charges: choosing costs no privacy. The simulated noise is not
-DP noise: nothing here is released.
+the best; the model's variables are restored. Only public data, the weights
+and a seed are read, so choosing costs no privacy, and the run's epsilon is
+that of the chosen config, which the ledger charges. ``choose_plan`` does
+not check that the candidates meet one budget: give it candidates
+calibrated for the same target (the training script's
+``--plan_by_progress`` does, and is refused with a fixed
+``--noise_multiplier``, where another keep rate is another epsilon). The
+simulated noise is not DP noise: nothing here is released.
 """
 
 from __future__ import annotations
@@ -88,8 +92,8 @@ def choose_plan(model: tf.keras.Model, loss: Any, public_x: Any,
       loss: the per-example loss, as ``DPModel`` reads it.
       public_x, public_y: PUBLIC examples (at least 4).
       candidates: {name: (config, basis)}; every config calibrated (its
-        noise is simulated) and for the same budget, basis None for a
-        one-block config.
+        noise is simulated), basis None for a one-block config. The run's
+        epsilon is the chosen config's: calibrate them all for one target.
       learning_rate: of the one SGD step.
       draws: batches per candidate (>= 2), the same for all of them.
       seed: of the split, the batches, the masks and the simulated noise.
@@ -116,8 +120,12 @@ def choose_plan(model: tf.keras.Model, loss: Any, public_x: Any,
                          y[rows])
     grad_x, grad_y = take(order[:n // 2])
     eval_x, eval_y = take(order[n // 2:])
-    gradients = basis_refresh.public_per_example_gradients(
-        model, loss, grad_x, grad_y, batch_size=batch_size)
+    if not model.built:
+        per_example.build(model, tf.nest.map_structure(tf.convert_to_tensor,
+                                                       grad_x))
+    # Every variable is restored at the end: the gradients' forward pass in
+    # training mode may move others (a random generator's state).
+    everything = [(v, v.numpy()) for v in model.variables]
     example_loss = per_example.loss_fn(loss)
     variables = model.trainable_variables
     start = [v.numpy() for v in variables]
@@ -135,6 +143,8 @@ def choose_plan(model: tf.keras.Model, loss: Any, public_x: Any,
     scores: Dict[str, List[float]] = {name: [] for name in candidates}
     rng = np.random.default_rng([seed, 1])
     try:
+        gradients = basis_refresh.public_per_example_gradients(
+            model, loss, grad_x, grad_y, batch_size=batch_size)
         before = mean_loss()
         for draw in range(draws):
             key = randomness.draw_step_key(
@@ -151,7 +161,7 @@ def choose_plan(model: tf.keras.Model, loss: Any, public_x: Any,
                     v.assign(w - learning_rate * u.numpy().astype(w.dtype))
                 scores[name].append(before - mean_loss())
     finally:
-        for v, w in zip(variables, start):
+        for v, w in everything:
             v.assign(w)
     progress = {name: Progress(tuple(s)) for name, s in scores.items()}
     best = max(progress, key=lambda name: progress[name].mean)
