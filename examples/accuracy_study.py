@@ -156,6 +156,23 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
     return {row: every[row] for row in rows}
 
 
+def rows_from_flags(f, batch_size: float) -> Dict[str, Dict[str, Any]]:
+    """The rows `--rows` and `--tuned` name, at expected batch size B."""
+    try:
+        configs = row_configs(
+            batch_size=batch_size,
+            coordinate_sampling_rate=f.coordinate_sampling_rate, d0=f.d0,
+            ranks=[int(r) for r in f.ranks],
+            basis_refresh_steps=f.basis_refresh_steps, rows=f.rows,
+            budget_split=f.budget_split, budget_quantile=f.budget_quantile,
+            noise_objective=f.noise_objective, principal_d0=f.principal_d0,
+            parameter_groups=f.parameter_groups)
+        configs.update(tuned_rows(f.tuned))
+    except (ValueError, OSError) as e:
+        raise app.UsageError(str(e)) from e
+    return configs
+
+
 def tuned_rows(tuned: Sequence[str]) -> Dict[str, Dict[str, Any]]:
     """Rows from examples/tune.py result files, `NAME=FILE` each: the
     settings the search fixed (less the data, shared by the study) and its
@@ -381,17 +398,9 @@ def main(argv: Sequence[str]) -> None:
     try:
         seeds = [int(s) for s in f.seeds]
         epsilons = [float(e) for e in f.target_epsilons]
-        configs = row_configs(
-            batch_size=batch_size,
-            coordinate_sampling_rate=f.coordinate_sampling_rate, d0=f.d0,
-            ranks=[int(r) for r in f.ranks],
-            basis_refresh_steps=f.basis_refresh_steps, rows=f.rows,
-            budget_split=f.budget_split, budget_quantile=f.budget_quantile,
-            noise_objective=f.noise_objective, principal_d0=f.principal_d0,
-            parameter_groups=f.parameter_groups)
-        configs.update(tuned_rows(f.tuned))
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         raise app.UsageError(str(e)) from e
+    configs = rows_from_flags(f, batch_size)
     data = data_lib.load_data(f.dataset, data_dir=f.data_dir,
                               features=f.features,
                               public_examples=f.public_examples)

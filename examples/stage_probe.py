@@ -2,13 +2,14 @@ r"""Where does a mechanism lose? One-step progress after clip, masks, noise.
 
 At the weights of a reference run (`--reference_mode`, DP-SGD by default,
 trained by the training script for each of `--probe_steps` steps), every row
-of the accuracy study (`--rows`, examples/accuracy_study.py) privatises the
+of the accuracy study (its flags: `--rows` and the mechanism settings, the
+first of `--seeds` and of `--target_epsilons`) privatises the
 same `--draws` fresh Poisson batches of the private set in three stages
 (`tf_twice.hybrid.stages`, the library's own step with one key per batch):
 
 * clip: the row's clips, no masks, no noise (its clipped mean);
 * masks: + its coordinate masks (unbiased, so they cost variance only);
-* noise: + its DP noise, calibrated for `--target_epsilon` after the run's
+* noise: + its DP noise, calibrated for the target epsilon after the run's
   planned steps: the update a private step releases.
 
 Each update is applied for one plain SGD step at `--learning_rate` and the
@@ -24,11 +25,14 @@ refresh). The table is computed from private examples, two of its stages
 without noise: it is NOT differentially private (keep it as private as the
 data). No model, checkpoint or ledger leaves the probe.
 
-Run: python examples/stage_probe.py   (digits, about a minute)
+Run (digits, about a minute):
+  python examples/stage_probe.py --target_epsilons=3 --probe_steps=0,20 \
+    --rows='dpsgd q=q1,twice,hybrid,hybrid unmasked'
 Fashion-MNIST, ScatterNet + linear, the hybrid study's setting:
   python examples/stage_probe.py --dataset=fashion_mnist \
     --features=scattering --public_examples=2000 --batch_size=2048 \
-    --epochs=80 --learning_rate=4 --target_epsilon=3 --probe_steps=0,200
+    --epochs=80 --learning_rate=4 --target_epsilons=3 --probe_steps=0,200 \
+    --rows='dpsgd q=q1,twice,hybrid,hybrid unmasked'
 """
 
 from __future__ import annotations
@@ -61,7 +65,6 @@ from tf_twice.keras import basis_refresh
 from tf_twice.mechanism import randomness
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-ROWS = ('dpsgd q=q1', 'twice', 'hybrid', 'hybrid unmasked')
 # Decreases: {row: {stage: [one per draw]}}.
 Decreases = Dict[str, Dict[str, List[float]]]
 
@@ -158,14 +161,10 @@ def markdown_table(decreases: Decreases, mechanisms) -> str:
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """The accuracy study's flags (rows, data, model, mechanism settings;
+    the first of --seeds and of --target_epsilons) and the probe's own."""
+    study.define_flags(flag_values)
     fv = dict(flag_values=flag_values)
-    flags.DEFINE_enum('dataset', 'digits', ['digits', 'fashion_mnist'],
-                      'Dataset.', **fv)
-    flags.DEFINE_enum('features', 'none', settings.FEATURES,
-                      'Input features (examples/train.py --features).', **fv)
-    flags.DEFINE_string('model', None, "Model (default: the recipe's).", **fv)
-    flags.DEFINE_list('rows', list(ROWS), 'Rows (examples/accuracy_study.py '
-                      '--rows).', **fv)
     flags.DEFINE_enum('reference_mode', 'dpsgd', ['dpsgd', 'twice', 'hybrid',
                                                   'nonprivate'],
                       'Mode of the run whose weights are probed.', **fv)
@@ -174,23 +173,6 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer('draws', 4, 'Batches per probe.', **fv)
     flags.DEFINE_integer('eval_examples', 4096, 'Private examples whose mean '
                          'loss measures progress.', **fv)
-    flags.DEFINE_float('batch_size', None, "Expected batch size B (default: "
-                       "the recipe's).", **fv)
-    flags.DEFINE_float('epochs', None, 'Epochs planned for the noise '
-                       "calibration (default: the recipe's).", **fv)
-    flags.DEFINE_float('learning_rate', None, "Learning rate of the probe's "
-                       "step and the reference run (default: the recipe's).",
-                       **fv)
-    flags.DEFINE_float('l2_norm_clip', None, "Global l2 clip (default: the "
-                       "recipe's).", **fv)
-    flags.DEFINE_float('target_epsilon', 3.0, 'Epsilon of every row.', **fv)
-    flags.DEFINE_float('coordinate_sampling_rate', 0.5, 'q2.', **fv)
-    flags.DEFINE_float('d0', 100, 'c_inf = c2 / sqrt(d0).', **fv)
-    flags.DEFINE_list('ranks', ['16'], 'Hybrid principal ranks.', **fv)
-    flags.DEFINE_integer('public_examples', 200, 'Held-out public examples '
-                         '(hybrid rows plan from them).', **fv)
-    flags.DEFINE_integer('seed', 0, 'Seed of the reference run and the '
-                         "probe's batches and keys.", **fv)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -212,26 +194,26 @@ def run_probes(f) -> Dict[int, Decreases]:
             raise ValueError('--probe_steps must be >= 0.')
     except ValueError as e:
         raise app.UsageError(f'--probe_steps: {e}') from e
-    common = settings.check_config(settings.TrainConfig.from_object(dict(
-        dataset=f.dataset, features=f.features, model=f.model,
-        mode=f.reference_mode, batch_size=f.batch_size, epochs=f.epochs,
-        learning_rate=f.learning_rate, l2_norm_clip=f.l2_norm_clip,
-        target_epsilon=f.target_epsilon, public_examples=f.public_examples,
-        seed=f.seed, verbose=0)))
-    data = data_lib.load_data(f.dataset, features=f.features,
-                              public_examples=f.public_examples)
-    reference = plan_lib.resolve_plan(common, len(data.x_train))
     try:
-        rows = study.row_configs(
-            batch_size=reference.mechanism.expected_batch_size,
-            coordinate_sampling_rate=f.coordinate_sampling_rate, d0=f.d0,
-            ranks=[int(r) for r in f.ranks], basis_refresh_steps=0,
-            rows=f.rows)
+        seed, target = int(f.seeds[0]), float(f.target_epsilons[0])
+        common = settings.check_config(settings.TrainConfig.from_object(dict(
+            dataset=f.dataset, data_dir=f.data_dir, features=f.features,
+            model=f.model, mode=f.reference_mode, batch_size=f.batch_size,
+            epochs=f.epochs, steps=f.steps, learning_rate=f.learning_rate,
+            momentum=f.momentum, l2_norm_clip=f.l2_norm_clip,
+            physical_batch_size=f.physical_batch_size, target_epsilon=target,
+            public_examples=f.public_examples, seed=seed, verbose=0)))
     except ValueError as e:
         raise app.UsageError(str(e)) from e
+    data = data_lib.load_data(f.dataset, data_dir=f.data_dir,
+                              features=f.features,
+                              public_examples=f.public_examples)
+    reference = plan_lib.resolve_plan(common, len(data.x_train))
+    rows = study.rows_from_flags(f, reference.mechanism.expected_batch_size)
     # Every row calibrates for the reference run's planned steps.
     shared = dict(dataclasses.asdict(common),
                   steps=reference.planned_steps, epochs=None)
+
     results = {}
     for steps in probe_steps:
         model = reference_model(shared, steps, data)
@@ -239,7 +221,7 @@ def run_probes(f) -> Dict[int, Decreases]:
                       for row, overrides in rows.items()}
         results[steps] = probe(
             model, mechanisms, data, learning_rate=common.learning_rate,
-            draws=f.draws, eval_examples=f.eval_examples, seed=f.seed,
+            draws=f.draws, eval_examples=f.eval_examples, seed=seed,
             physical_batch_size=common.physical_batch_size)
         print()
         print(f'Not DP (private examples, noise-free stages). After {steps} '
@@ -248,7 +230,7 @@ def run_probes(f) -> Dict[int, Decreases]:
               f'training loss x 1e3, learning rate {common.learning_rate:g}, '
               f'{f.draws} batches of expected size '
               f'{reference.mechanism.expected_batch_size:g}, epsilon '
-              f'{f.target_epsilon:g}:')
+              f'{target:g}:')
         print()
         print(markdown_table(results[steps], mechanisms))
     return results

@@ -10,7 +10,8 @@ def test_the_probe_measures_each_rows_stages_on_shared_batches(capsys):
     stage_probe.define_flags(flag_values)
     flag_values(['stage_probe', '--rows=dpsgd q=q1,twice,hybrid unmasked',
                  '--probe_steps=0', '--draws=2', '--eval_examples=128',
-                 '--ranks=4', '--public_examples=100'])
+                 '--ranks=4', '--public_examples=100', '--seeds=0',
+                 '--target_epsilons=3'])
     results = stage_probe.run_probes(flag_values)
     probe = results[0]
     assert set(probe) == {'dpsgd q=q1', 'twice', 'hybrid unmasked'}
