@@ -799,3 +799,39 @@ def test_each_block_is_masked_and_normalised_at_its_own_rate():
 
 if __name__ == '__main__':
     raise SystemExit(pytest.main([__file__]))
+
+
+def test_a_configs_step_is_the_raw_functions_step_on_its_numbers():
+    config = TwiceSamplingConfig(
+        num_examples=50, expected_batch_size=5.0, coordinate_sampling_rate=0.5,
+        blocks=(Block(l2_norm_clip=1.0, noise_multiplier=1.5,
+                      linf_norm_clip=0.3, coordinate_sampling_rate=1.0),
+                Block(l2_norm_clip=0.5, noise_multiplier=2.0)))
+    rng = np.random.default_rng(3)
+    blocks = [[rng.standard_normal((4, 6)).astype(np.float32)],
+              [rng.standard_normal((4, 3, 2)).astype(np.float32)]]
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(4))
+    raw = agg.clipped_masked_block_sums(
+        blocks, l2_norm_clips=config.l2_norm_clips,
+        linf_norm_clips=config.linf_norm_clips,
+        coordinate_sampling_rate=config.coordinate_sampling_rates, key=key)
+    ours = agg.config_block_sums(blocks, config, key=key)
+    sums = [[tf.cast(t, tf.float64) for t in block] for block in ours]
+    noisy_raw = agg.add_block_noise_and_normalize(
+        sums, l2_norm_clips=config.l2_norm_clips,
+        noise_multipliers=config.noise_multipliers,
+        expected_batch_size=config.expected_batch_size,
+        coordinate_sampling_rate=config.coordinate_sampling_rates, key=key)
+    noisy = agg.config_noisy_block_sums(sums, config, key=key)
+    for a, b in zip(raw + noisy_raw, ours + noisy):
+        np.testing.assert_array_equal(a[0].numpy(), b[0].numpy())
+    # What the config cannot vouch for is refused by name.
+    with pytest.raises(ValueError, match='one block per Block'):
+        agg.config_block_sums(blocks[:1], config, key=key)
+    with pytest.raises(ValueError, match='one block per Block'):
+        agg.config_noisy_block_sums(sums[:1], config, key=key)
+    with pytest.raises(ValueError, match='calibrate'):
+        agg.config_noisy_block_sums(
+            sums, config.with_noise_multipliers((1.0, None)), key=key)
+    with pytest.raises(ValueError, match='TwiceSamplingConfig'):
+        agg.config_noisy_block_sums(sums, dict(config.to_dict()), key=key)

@@ -185,6 +185,7 @@ def config_block_sums(
     """``clipped_masked_block_sums`` with ``config``'s clips and rates,
     one block per Block: the config validated them when it was built, so
     they are not checked again at every trace."""
+    _check_config(config)
     blocks = check_blocks(blocks)
     if len(blocks) != config.num_blocks:
         raise ValueError(f'blocks must hold one block per Block of the '
@@ -192,6 +193,13 @@ def config_block_sums(
     return _block_sums(blocks, config.l2_norm_clips, config.linf_norm_clips,
                        config.coordinate_sampling_rates, weights, key,
                        example_offset, masks, jit_compile)
+
+
+def _check_config(config) -> None:
+    # Its numbers are trusted because its constructor checked them.
+    if not isinstance(config, config_lib.TwiceSamplingConfig):
+        raise ValueError('config must be a tf_twice TwiceSamplingConfig; got '
+                         f'{type(config).__name__}.')
 
 
 def _block_sums(blocks, clips, linf, rates, weights, key, example_offset,
@@ -377,6 +385,7 @@ def config_noisy_block_sums(
     multipliers, expected batch size and rates (validated when the config
     was built, not again at every trace). A config not yet calibrated is
     refused."""
+    _check_config(config)
     if len(block_sums) != config.num_blocks:
         raise ValueError(f'block_sums must hold one block per Block of the '
                          f'config ({config.num_blocks}); got '
