@@ -10,16 +10,32 @@ import os
 os.environ.setdefault('NVIDIA_TF32_OVERRIDE', '0')
 
 
+_SCRIPTS = os.path.join('tests', 'examples') + os.sep
+
+
+def _is_script_test(item) -> bool:
+    return _SCRIPTS in str(item.fspath)
+
+
 def pytest_collection_modifyitems(config, items):
-    """With TF_TWICE_TF_FREE_TESTS=skip, deselects the modules marked
-    ``pytestmark = pytest.mark.tf_free``: they import no TensorFlow
-    (tests/tf_free_test.py checks), so their results do not depend on the
-    stack, and CI runs them in one environment only, the oldest (.ci/run
-    sets the variable for the newest ones)."""
-    if os.environ.get('TF_TWICE_TF_FREE_TESTS') != 'skip':
-        return
-    skipped = [item for item in items if item.get_closest_marker('tf_free')]
-    if skipped:
-        config.hook.pytest_deselected(items=skipped)
-        items[:] = [item for item in items
-                    if not item.get_closest_marker('tf_free')]
+    """Deselects, for CI's environments that do not need them:
+
+    * with TF_TWICE_TF_FREE_TESTS=skip, the modules marked ``pytestmark =
+      pytest.mark.tf_free``: they import no TensorFlow (tests/tf_free_test.py
+      checks), so their results do not depend on the stack; CI runs them in
+      the oldest environment only;
+    * with TF_TWICE_SCRIPT_TESTS=skip, the tests of the example scripts
+      (tests/examples/): real training runs whose own logic is host-side;
+      CI runs them under Keras 2 (the oldest environment) and Keras 3, and
+      the library they drive is tested in every environment.
+
+    .ci/run sets the variables."""
+    rules = [(os.environ.get('TF_TWICE_TF_FREE_TESTS') == 'skip',
+              lambda item: item.get_closest_marker('tf_free')),
+             (os.environ.get('TF_TWICE_SCRIPT_TESTS') == 'skip',
+              _is_script_test)]
+    for active, deselect in rules:
+        skipped = [item for item in items if active and deselect(item)]
+        if skipped:
+            config.hook.pytest_deselected(items=skipped)
+            items[:] = [item for item in items if not deselect(item)]
