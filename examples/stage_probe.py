@@ -97,8 +97,9 @@ def probe(model: tf.keras.Model, mechanisms: Dict[str, Tuple[Any, Any]],
           seed: int, physical_batch_size: int) -> Decreases:
     """One-step loss decreases of every row's staged updates (module doc).
 
-    Rows with the same expected batch size see the same batches, and every
-    row the same key per draw."""
+    Every row samples its Poisson batch from the same uniforms per draw
+    (rows at one rate see one batch; a lower rate, a subset of it) and uses
+    the same key."""
     rng = np.random.default_rng(seed)
     n = len(data.x_train)
     held = rng.choice(n, size=min(eval_examples, n), replace=False)
@@ -109,9 +110,14 @@ def probe(model: tf.keras.Model, mechanisms: Dict[str, Tuple[Any, Any]],
     start = [v.numpy() for v in variables]
 
     def loss_after(update) -> float:
+        """The loss one step from the probed weights, which it restores:
+        the next batch's gradients are taken there."""
         for v, w, u in zip(variables, start, update):
             v.assign(w - learning_rate * u.numpy().astype(w.dtype))
-        return float(mean_loss(y_eval, model.predict(x_eval, verbose=0)))
+        loss = float(mean_loss(y_eval, model.predict(x_eval, verbose=0)))
+        for v, w in zip(variables, start):
+            v.assign(w)
+        return loss
 
     before = loss_after([tf.zeros_like(w) for w in start])
     out: Decreases = {row: {s: [] for s in stages.STAGES}
@@ -119,21 +125,22 @@ def probe(model: tf.keras.Model, mechanisms: Dict[str, Tuple[Any, Any]],
     for draw in range(draws):
         key = randomness.draw_step_key(
             tf.random.Generator.from_seed(seed * 1000 + draw))
-        batches: Dict[float, List[np.ndarray]] = {}
+        uniforms = rng.random(n)
+        batches: Dict[Tuple[int, ...], List[np.ndarray]] = {}
         for row, (config, basis) in mechanisms.items():
-            b = config.expected_batch_size
-            if b not in batches:  # A Poisson batch, as the step samples.
-                chosen = np.flatnonzero(rng.random(n) < b / n)
-                batches[b] = basis_refresh.public_per_example_gradients(
-                    model, modeling.per_example_loss(),
-                    data_lib.to_unit_float(data.x_train[chosen]),
-                    data.y_train[chosen], batch_size=physical_batch_size)
-            updates = stages.staged_updates(batches[b], config, key=key,
-                                            basis=basis)
+            # A Poisson batch at the row's rate, as the step samples.
+            chosen = np.flatnonzero(uniforms < config.example_sampling_rate)
+            if tuple(chosen) not in batches:
+                batches[tuple(chosen)] = (
+                    basis_refresh.public_per_example_gradients(
+                        model, modeling.per_example_loss(),
+                        data_lib.to_unit_float(data.x_train[chosen]),
+                        data.y_train[chosen],
+                        batch_size=physical_batch_size))
+            updates = stages.staged_updates(batches[tuple(chosen)], config,
+                                            key=key, basis=basis)
             for stage, update in updates.items():
                 out[row][stage].append(before - loss_after(update))
-    for v, w in zip(variables, start):
-        v.assign(w)
     return out
 
 

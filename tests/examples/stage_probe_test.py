@@ -5,14 +5,18 @@ from absl import flags
 from examples import stage_probe
 
 
-def test_the_probe_measures_each_rows_stages_on_shared_batches(capsys):
+def _probe(rows):
     flag_values = flags.FlagValues()
     stage_probe.define_flags(flag_values)
-    flag_values(['stage_probe', '--rows=dpsgd q=q1,twice,hybrid unmasked',
-                 '--probe_steps=0', '--draws=2', '--eval_examples=128',
-                 '--ranks=4', '--public_examples=100', '--seeds=0',
+    flag_values(['stage_probe', f'--rows={rows}', '--probe_steps=0',
+                 '--draws=2', '--eval_examples=128', '--ranks=4',
+                 '--public_examples=100', '--seeds=0',
                  '--target_epsilons=3'])
-    results = stage_probe.run_probes(flag_values)
+    return stage_probe.run_probes(flag_values)
+
+
+def test_the_probe_measures_each_rows_stages_on_shared_batches(capsys):
+    results = _probe('dpsgd q=q1,twice,hybrid unmasked')
     probe = results[0]
     assert set(probe) == {'dpsgd q=q1', 'twice', 'hybrid unmasked'}
     for row, by_stage in probe.items():
@@ -25,3 +29,6 @@ def test_the_probe_measures_each_rows_stages_on_shared_batches(capsys):
     assert twice['masks'] != twice['clip']
     table = capsys.readouterr().out
     assert '| hybrid unmasked |' in table and 'lost to masks' in table
+    # A row's numbers do not depend on the rows probed beside it (each
+    # evaluation restores the probed weights before the next gradients).
+    assert _probe('dpsgd q=q1')[0]['dpsgd q=q1'] == dpsgd
