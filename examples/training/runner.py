@@ -415,6 +415,11 @@ def _print_plan(run: Run) -> None:
               f'{_fmt(mechanism.noise_multipliers)}, delta {plan.delta:g}'
               + ('' if plan.target_epsilon is None else
                  f', target epsilon {plan.target_epsilon:g}') + '.')
+    if plan.progress is not None:
+        print('  Planned by public one-step progress (loss decrease x 1e3): '
+              + ', '.join(f'{name} {value * 1e3:.2f}' for name, value in
+                          plan.progress['decreases'].items())
+              + f"; chosen: {plan.progress['chosen']}.")
     if config.lr_schedule != 'constant':
         rate = modeling.current_learning_rate(
             run.learning_rate, run.model.optimizer.iterations)

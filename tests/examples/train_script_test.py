@@ -228,9 +228,11 @@ def test_hybrid_mode_with_unmasked_principal_blocks():
     assert 'q2 = (1, 0.5)' in results['statement']
 
 
-def test_hybrid_mode_planned_by_public_progress():
+def test_hybrid_mode_planned_by_public_progress(capsys):
     data = data_lib.load_data('digits', public_examples=50)
-    results = runner.train(dict(HYBRID, plan_by_progress=True), data=data)
+    results = runner.train(dict(HYBRID, plan_by_progress=True, verbose=1),
+                           data=data)
+    assert 'Planned by public one-step progress' in capsys.readouterr().out
     progress = results['plan_by_progress']
     # Masked or unmasked principal block, each noise objective.
     assert set(progress['decreases']) == {
