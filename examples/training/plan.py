@@ -226,7 +226,7 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
     (`--noise_objective`) for the target epsilon after the planned steps).
     All of it comes from public data and the flags, never from the private
     set. With `--plan_by_progress` the principal keep rate (the residual's
-    or 1) and, with the noise optimised, the noise objective are chosen by
+    or 1) and the noise objective, the noise calibrated, are chosen by
     `tf_twice.keras.plan_progress.choose_plan` (the public one-step loss
     decrease of each plan's update at `--learning_rate`). A resumed run
     with the same settings reuses the recorded blocks (clips, noise, keep
