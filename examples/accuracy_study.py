@@ -239,7 +239,8 @@ def run_study(configs: Dict[str, Dict[str, Any]], *, seeds: Sequence[int],
     return results
 
 
-def _noise(value) -> str:
+def _number_or_list(value) -> str:
+    """A setting that is one number or one per block (a list)."""
     if isinstance(value, (list, tuple)):
         return ', '.join(f'{v:.3g}' for v in value)
     return f'{value:.3g}'
@@ -259,8 +260,8 @@ def markdown_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
         first = runs[0]
         lines.append(
             f"| {row} | {first['expected_batch_size']:g} "
-            f"| {first['coordinate_sampling_rate']:g} "
-            f"| {_noise(first['noise_multiplier'])} "
+            f"| {_number_or_list(first['coordinate_sampling_rate'])} "
+            f"| {_number_or_list(first['noise_multiplier'])} "
             f"| {max(r['epsilon'] for r in runs):.3f} "
             f"| {first['total_steps']} "
             f'| {statistics.median(accuracies):.1f} % '
