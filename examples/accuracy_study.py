@@ -12,19 +12,20 @@ optimiser and global l2 clip, each with its noise calibrated to the same
   the same expected number of contributions per coordinate as twice
   sampling (the update is divided by n * q1 * q2 in both);
 * `twice`: (q1, q2)-twice sampling with l-infinity clip c2 / sqrt(d0);
-* `hybrid`: twice sampling plus hybrid clipping with a basis of rank
-  `--ranks` learned from the public split (in `--parameter_groups`
-  groups, refreshed every `--basis_refresh_steps` steps) and per-block
-  clips and noise from `tf_twice.hybrid.plan_blocks` (the l2 budget split
-  by `--budget_split`, `--budget_quantile`; principal blocks' l-infinity
-  clip per `--principal_d0`);
+* `hybrid`: the paper's hybrid clipping: twice sampling with a basis of
+  rank `--ranks` learned from the public split (in `--parameter_groups`
+  groups, refreshed every `--basis_refresh_steps` steps), every block
+  masked at q2, and per-block clips and noise from
+  `tf_twice.hybrid.plan_blocks` (the l2 budget split by `--budget_split`,
+  `--budget_quantile`; principal blocks' l-infinity clip per
+  `--principal_d0`);
 * by name only (`--rows`), hybrid's variants: `hybrid unmasked` (principal
-  blocks without masks, examples/train.py
-  --principal_coordinate_sampling_rate=1), `hybrid replanned` (budgets
-  re-split at every basis refresh, --replan_budgets), `hybrid unmasked
-  replanned` (both) and `hybrid by progress` (keep rate of the principal
-  blocks and noise objective chosen by public one-step progress,
-  --plan_by_progress, budgets re-planned).
+  blocks without masks, the library's default: examples/train.py
+  --mode=hybrid), `hybrid replanned` (budgets re-split at every basis
+  refresh, --replan_budgets), `hybrid unmasked replanned` (both) and
+  `hybrid by progress` (keep rate of the principal blocks and noise
+  objective chosen by public one-step progress, --plan_by_progress,
+  budgets re-planned).
 
 Tuned rows (`--tuned=NAME=FILE`, from examples/tune.py): the row NAME (one
 of the above, or a new one) takes the settings the search fixed and the best
@@ -81,12 +82,17 @@ from tf_twice import sampling
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 ROWS = ('dpsgd q=q1', 'dpsgd q=q1*q2', 'twice', 'hybrid')
-# Hybrid's variants, run when --rows names them: what each adds to 'hybrid'.
-HYBRID_VARIANTS = {
+# Hybrid's rows: whether the principal blocks are masked at q2 (the paper's
+# algorithm; 'q2') or unmasked (1.0, the library's default) and what else
+# each adds. The variants run when --rows names them.
+HYBRID_ROWS = {
+    'hybrid': dict(principal_coordinate_sampling_rate='q2'),
     'hybrid unmasked': dict(principal_coordinate_sampling_rate=1.0),
-    'hybrid replanned': dict(replan_budgets=True),
+    'hybrid replanned': dict(principal_coordinate_sampling_rate='q2',
+                             replan_budgets=True),
     'hybrid unmasked replanned': dict(principal_coordinate_sampling_rate=1.0,
                                       replan_budgets=True),
+    # --plan_by_progress chooses the principal keep rate itself.
     'hybrid by progress': dict(plan_by_progress=True, replan_budgets=True),
 }
 
@@ -117,10 +123,12 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
                 ) -> Dict[str, Dict[str, Any]]:
     """The settings that differ between rows (see the module docstring).
 
-    The hybrid row names `budget_split`, `budget_quantile`,
-    `noise_objective`, `principal_d0` and `parameter_groups` only when they are not the defaults, so that a
-    --results_json written before these flags existed still has this
-    study's settings.
+    The hybrid rows name `budget_split`, `budget_quantile`,
+    `noise_objective`, `principal_d0` and `parameter_groups` only when they
+    are not the defaults, so that a --results_json written before these
+    flags existed still has this study's settings. Their principal keep
+    rate is named unless --plan_by_progress chooses it (HYBRID_ROWS): its
+    default changed, and a stored row keeps what it ran.
     """
     q2 = coordinate_sampling_rate
     split = settings_lib.TrainConfig(mode='hybrid', budget_split=budget_split,
@@ -140,15 +148,15 @@ def row_configs(*, batch_size: float, coordinate_sampling_rate: float,
         'dpsgd q=q1*q2': dict(mode='dpsgd', batch_size=batch_size * q2),
         'twice': dict(mode='twice', batch_size=batch_size,
                       coordinate_sampling_rate=q2, d0=d0),
-        'hybrid': dict(mode='hybrid', batch_size=batch_size,
-                       coordinate_sampling_rate=q2, d0=d0,
-                       ranks=tuple(ranks),
-                       basis_refresh_steps=basis_refresh_steps,
-                       **settings_lib.budget_split_settings(split),
-                       **hybrid_extra),
     }
-    every.update({name: dict(every['hybrid'], **extra)
-                  for name, extra in HYBRID_VARIANTS.items()})
+    hybrid = dict(mode='hybrid', batch_size=batch_size,
+                  coordinate_sampling_rate=q2, d0=d0, ranks=tuple(ranks),
+                  basis_refresh_steps=basis_refresh_steps,
+                  **settings_lib.budget_split_settings(split), **hybrid_extra)
+    for name, extra in HYBRID_ROWS.items():
+        every[name] = dict(hybrid, **extra)
+        if extra.get('principal_coordinate_sampling_rate') == 'q2':
+            every[name]['principal_coordinate_sampling_rate'] = q2
     unknown = [row for row in rows if row not in every]
     if unknown:
         raise ValueError(f'--rows must be among {", ".join(every)}; got '

@@ -224,8 +224,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        'of the principal blocks (1: none).', **fv)
     flags.DEFINE_float('principal_coordinate_sampling_rate', None,
                        'Hybrid: the keep rate of the principal blocks\' '
-                       'coefficients (1: unmasked; default: '
-                       '--coordinate_sampling_rate, the residual\'s).',
+                       'coefficients (default 1: unmasked; '
+                       '--coordinate_sampling_rate\'s value: the paper\'s '
+                       'masks on every block).',
                        **fv)
     flags.DEFINE_enum('budget_split', defaults.budget_split,
                       list(BUDGET_SPLITS),

@@ -262,6 +262,9 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
     public_x = data_lib.to_unit_float(data.x_public)
 
     def planned(rate, objective) -> private_keras.HybridPlan:
+        # No rate: plan_blocks's default (unmasked principal blocks).
+        rate_kwargs = {} if rate is None else dict(
+            principal_coordinate_sampling_rate=rate)
         try:
             return private_keras.plan_hybrid_clipping(
                 inner, modeling.per_example_loss(), public_x, data.y_public,
@@ -270,7 +273,7 @@ def hybrid_setup(config: TrainConfig, plan: Plan, data: data_lib.Data,
                 budget_split=config.budget_split,
                 budget_quantile=config.budget_quantile,
                 noise_objective=objective,
-                principal_coordinate_sampling_rate=rate,
+                **rate_kwargs,
                 **basis_kwargs(config, plan), **budget)
         except ValueError as e:
             if not budget:

@@ -67,7 +67,7 @@ class TrainConfig:
     linf_norm_clip: Optional[float] = None
     d0: Optional[float] = None
     principal_d0: float = 1.0
-    principal_coordinate_sampling_rate: Optional[float] = None
+    principal_coordinate_sampling_rate: Optional[float] = None  # None: 1.
     budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT
     budget_quantile: Optional[float] = None
     replan_budgets: bool = False

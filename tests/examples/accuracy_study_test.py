@@ -19,11 +19,19 @@ def test_accuracy_study_table():
     assert list(configs) == list(study.ROWS)  # Variants run when named.
     variants = study.row_configs(
         batch_size=128, coordinate_sampling_rate=0.5, d0=100, ranks=[16],
-        basis_refresh_steps=20, rows=list(study.HYBRID_VARIANTS))
+        basis_refresh_steps=20, rows=list(study.HYBRID_ROWS))
+    # 'hybrid' is the paper's (every block masked at q2); the variants
+    # change one thing each.
+    assert configs['hybrid']['principal_coordinate_sampling_rate'] == 0.5
     both = variants['hybrid unmasked replanned']
     assert both == dict(configs['hybrid'], replan_budgets=True,
                         principal_coordinate_sampling_rate=1.0)
+    assert variants['hybrid replanned'] == dict(configs['hybrid'],
+                                                replan_budgets=True)
     assert 'replan_budgets' not in variants['hybrid unmasked']
+    # --plan_by_progress chooses the keep rate: the row sets none.
+    assert 'principal_coordinate_sampling_rate' not in variants[
+        'hybrid by progress']
     with pytest.raises(ValueError, match='--rows'):
         study.row_configs(batch_size=128, coordinate_sampling_rate=0.5,
                           d0=100, ranks=[16], basis_refresh_steps=20,
@@ -132,7 +140,8 @@ def test_principal_d0_and_parameter_groups_reach_only_the_hybrid_row(
     assert explicit == default
     assert default['hybrid'] == dict(
         mode='hybrid', batch_size=128, coordinate_sampling_rate=0.5, d0=100,
-        ranks=(16,), basis_refresh_steps=20)
+        ranks=(16,), basis_refresh_steps=20,
+        principal_coordinate_sampling_rate=0.5)
     path = str(tmp_path / 'runs.json')
     study.RunStore(path, dict(steps=7, rows=default)).put(
         'a run', dict(test_accuracy=0.5))

@@ -121,8 +121,11 @@ def test_plan_blocks_linf_clips(basis_and_public):
 
 def test_plan_blocks_optimises_noise_for_the_budget(basis_and_public):
     basis, public = basis_and_public
-    planned = budgets.plan_blocks(_one_block(linf_norm_clip=0.05), basis,
-                                  public, **BUDGET)
+    # One keep rate on every block, so that the noise's variance is the
+    # update's (up to one divisor).
+    planned = budgets.plan_blocks(
+        _one_block(linf_norm_clip=0.05), basis, public,
+        principal_coordinate_sampling_rate=0.5, **BUDGET)
     eps = planned.epsilon(BUDGET['steps'], BUDGET['delta'])
     assert 0.95 * BUDGET['target_epsilon'] <= eps <= BUDGET['target_epsilon']
     # Per-block noise costs less total variance than one z for all blocks
@@ -304,9 +307,11 @@ def test_plan_blocks_quantile_and_variance_optimal_splits(basis_and_public):
             planned.l2_norm_clips,
             splits.quantile_l2_budget(2.0, stats.per_example_norms,
                                       0.5 if q is None else q), rtol=1e-12)
-    # With the config's z, the noise is shared: s = z / (B q2).
+    # With the config's z and q2 on every block, the noise is shared:
+    # s = z / (B q2).
     planned = budgets.plan_blocks(config, basis, public,
-                                  budget_split='variance_optimal')
+                                  budget_split='variance_optimal',
+                                  principal_coordinate_sampling_rate=0.5)
     np.testing.assert_allclose(
         planned.l2_norm_clips,
         splits.variance_optimal_l2_budget(
@@ -386,16 +391,17 @@ def test_noise_objective_refusals(basis_and_public):
 
 def test_unmasked_principal_blocks_are_planned_with_their_update_noise(
         basis_and_public):
-    # principal_coordinate_sampling_rate=1: the principal blocks keep every
-    # coefficient, the residual q2 = 1/2. Block j's update noise is
-    # z_j c2_j / (B q2_j): the noise is optimised for that variance, and the
-    # budget is met by the per-block accountant.
+    # By default the principal blocks keep every coefficient, the residual
+    # q2 = 1/2 (the config's q2 for them too is the paper's algorithm).
+    # Block j's update noise is z_j c2_j / (B q2_j): the noise is optimised
+    # for that variance, and the budget is met by the per-block accountant.
     basis, public = basis_and_public
     config = _one_block(linf_norm_clip=0.05)
-    masked = budgets.plan_blocks(config, basis, public, **BUDGET)
-    unmasked = budgets.plan_blocks(
-        config, basis, public, principal_coordinate_sampling_rate=1.0,
+    masked = budgets.plan_blocks(
+        config, basis, public, principal_coordinate_sampling_rate=0.5,
         **BUDGET)
+    unmasked = budgets.plan_blocks(config, basis, public, **BUDGET)
+    assert budgets.DEFAULT_PRINCIPAL_COORDINATE_SAMPLING_RATE == 1.0
     assert unmasked.coordinate_sampling_rates == (1.0, 1.0, 0.5)
     assert unmasked.dp_event().coordinate_sampling_rate == (1.0, 1.0, 0.5)
     eps = unmasked.epsilon(BUDGET['steps'], BUDGET['delta'])
@@ -418,23 +424,25 @@ def test_unmasked_principal_blocks_are_planned_with_their_update_noise(
             variance_weights=dims * 1.0, **BUDGET))
     assert update_variance(unmasked) < update_variance(raw_variance)
     assert masked.coordinate_sampling_rates == (0.5, 0.5, 0.5)
-    with pytest.raises(ValueError, match='coordinate_sampling_rate'):
+    with pytest.raises(
+            ValueError,
+            match=r'principal_coordinate_sampling_rate: .*in \(0, 1\]'):
         budgets.plan_blocks(config, basis, public,
                             principal_coordinate_sampling_rate=0.0, **BUDGET)
 
 
 def test_a_template_rate_is_the_residuals():
     # A one-block template with its own rate (0.25, the config 0.5): the
-    # residual keeps it, and so do the principal blocks unless told.
+    # residual keeps it; the principal blocks keep their own.
     basis, public = learning.learn_basis(_public(), [3, 5], seed=1), _public()
     config = attr.evolve(_one_block(linf_norm_clip=0.05), blocks=(Block(
         l2_norm_clip=1.0, linf_norm_clip=0.05,
         coordinate_sampling_rate=0.25),))
     assert budgets.plan_blocks(config, basis, public, **BUDGET
-                               ).coordinate_sampling_rates == (0.25,) * 3
+                               ).coordinate_sampling_rates == (1.0, 1.0, 0.25)
     assert budgets.plan_blocks(
-        config, basis, public, principal_coordinate_sampling_rate=1.0,
-        **BUDGET).coordinate_sampling_rates == (1.0, 1.0, 0.25)
+        config, basis, public, principal_coordinate_sampling_rate=0.25,
+        **BUDGET).coordinate_sampling_rates == (0.25,) * 3
 
 
 @pytest.mark.parametrize('split', splits.BUDGET_SPLITS)
@@ -444,7 +452,7 @@ def test_a_replan_at_the_plans_own_gradients_keeps_its_clips(
     # (z_j fixed), so every policy re-splits the same statistics the same
     # way, also with unmasked principal blocks.
     basis, public = basis_and_public
-    for rate in (None, 1.0):
+    for rate in (0.5, 1.0):
         planned = budgets.plan_blocks(
             _one_block(l2_norm_clip=2.0, noise_multiplier=1.3), basis,
             public, budget_split=split,

@@ -43,6 +43,7 @@ from tf_twice.hybrid import budget_splits
 from tf_twice.mechanism import basis as basis_lib
 
 __all__ = [
+    'DEFAULT_PRINCIPAL_COORDINATE_SAMPLING_RATE',
     'NOISE_OBJECTIVES',
     'hybrid_noise_multipliers',
     'linf_clips_from_d0',
@@ -52,6 +53,9 @@ __all__ = [
 
 # What plan_blocks's per-block noise minimises (its docstring).
 NOISE_OBJECTIVES = ('total_variance', 'public_fisher')
+# The principal blocks' keep rate plan_blocks gives by default: no masks
+# there (its docstring; the paper masks every block at the config's q2).
+DEFAULT_PRINCIPAL_COORDINATE_SAMPLING_RATE = 1.0
 
 
 def linf_clips_from_d0(l2_norm_clips: Sequence[float],
@@ -152,7 +156,8 @@ def plan_blocks(
         steps: Optional[int] = None,
         residual_d0: Optional[float] = None,
         principal_d0: float = 1.0,
-        principal_coordinate_sampling_rate: Optional[float] = None,
+        principal_coordinate_sampling_rate: float = (
+            DEFAULT_PRINCIPAL_COORDINATE_SAMPLING_RATE),
         budget_split: str = budget_splits.DEFAULT_BUDGET_SPLIT,
         budget_quantile: Optional[float] = None,
         noise_objective: str = 'total_variance',
@@ -180,9 +185,13 @@ def plan_blocks(
       principal_d0: c_inf_j = c2_j / sqrt(min(principal_d0, r_j)) for
         principal block j; 1 means no l-infinity clip there.
       principal_coordinate_sampling_rate: the keep rate of the principal
-        blocks' coordinates (1: unmasked), or None for the config's q2
-        (which the residual keeps). The split and the noise model each
-        block's update noise z_j c2_j / (B q2_j).
+        blocks' coordinates; the residual keeps the config's q2. The
+        default, 1, keeps every principal coefficient (no mask there): masks
+        on the few coefficients that carry the gradient cost progress that
+        their privacy gain does not buy back (docs/hybrid_clipping.md). The
+        config's q2 gives the paper's algorithm, one rate for every block.
+        The split and the noise model each block's update noise
+        z_j c2_j / (B q2_j).
       budget_split: how c is split over blocks, one of
         ``budget_splits.BUDGET_SPLITS`` (that module's docstring), always
         with sum_j c2_j^2 = c^2.
@@ -224,13 +233,14 @@ def plan_blocks(
             'give the residual\'s l-infinity clip once: residual_d0 or the '
             'config\'s linf_norm_clip, not both.')
     principal_d0 = _validate.positive('principal_d0', principal_d0)
-    principal_rate = None if principal_coordinate_sampling_rate is None else (
-        config_lib.check_coordinate_sampling_rate(
-            principal_coordinate_sampling_rate))
+    try:
+        principal_rate = config_lib.check_coordinate_sampling_rate(
+            principal_coordinate_sampling_rate)
+    except ValueError as e:
+        raise ValueError(f'principal_coordinate_sampling_rate: {e}') from e
     # The planned blocks' own rates (None: the config's): the template's
-    # is the residual's, and the principal blocks' unless principal_rate.
-    block_rates = ((principal_rate or template.coordinate_sampling_rate,)
-                   * basis.num_principal_blocks
+    # is the residual's.
+    block_rates = ((principal_rate,) * basis.num_principal_blocks
                    + (template.coordinate_sampling_rate,))
     rates = tuple(config.coordinate_sampling_rate if q is None else q
                   for q in block_rates)
