@@ -150,28 +150,6 @@ PATHS = ['model', pytest.param('optimizer',
                                marks=markers.needs_tf_privacy_optimizers)]
 
 
-@pytest.mark.parametrize('path', PATHS)
-@pytest.mark.parametrize('kind', ARTIFACTS)
-def test_no_artifact_holds_the_key_stream(tmp_path, kind, path):
-    dp = _dp_model(seed=SEED, path=path)
-    tiny_models.one_step(dp, *tiny_models.data(4))
-    key_word = _key_words(dp)[-1]  # Philox state: [counter, counter, key].
-    data = _artifact_bytes(_save(dp, kind, str(tmp_path)))
-    assert data
-    # The secret key word and the seed, in either byte order, appear
-    # nowhere in the files (the counter words are small step counts).
-    for value in (key_word, SEED):
-        for order in ('<', '>'):
-            packed = np.array([value], np.int64).astype(order + 'i8')
-            assert packed.tobytes() not in data, (kind, value)
-    assert b'dp_generator' not in data and b'_keys' not in data
-    # Nor may a config say how the stream was seeded (Keras initializers
-    # have a seed entry of their own, None here).
-    for config in (dp.get_config(), dp.optimizer.get_config()):
-        assert 'seed' not in config
-        assert str(SEED) not in json.dumps(config, default=str)
-
-
 def _two_poisson_steps(x, y):
     return sampling.poisson_batches(x, y, physical_batch_size=4,
                                     expected_batch_size=4.0, steps=2, seed=0)
@@ -223,16 +201,22 @@ def _saved_variables(path):
     return saved
 
 
-def _trained_with_metrics(callbacks=()):
-    """A DPModel with a compiled metric (and on Keras 2 a layer's), fit
+def _trained_with_metrics(callbacks=(), path='model', seed=None):
+    """A DPModel (the mechanism in the model or, path='optimizer', in its
+    DP optimizer) with a compiled metric (and on Keras 2 a layer's), fit
     for two steps."""
     x, y = tiny_models.data(12)
-    inner = _mlp()
-    dp = DPModel(tf.keras.Sequential(
+    inner = tf.keras.Sequential(
         [tf.keras.Input((tiny_models.NUM_FEATURES,)), _BatchSum()]
-        + inner.layers), CONFIG, physical_batch_size=4)
-    dp.compile(optimizer=tf.keras.optimizers.SGD(1.0), loss=_loss(),
-               metrics=['accuracy'])
+        + _mlp().layers)
+    if path == 'model':
+        dp = DPModel(inner, CONFIG, physical_batch_size=4, seed=seed)
+        optimizer = tf.keras.optimizers.SGD(1.0)
+    else:
+        dp = DPModel(inner, physical_batch_size=4)
+        optimizer = optimizers.TwiceSamplingDPKerasSGDOptimizer(
+            CONFIG, learning_rate=1.0, seed=seed)
+    dp.compile(optimizer=optimizer, loss=_loss(), metrics=['accuracy'])
     dp.fit(_two_poisson_steps(x, y), epochs=1, verbose=0,
            callbacks=list(callbacks))
     return dp
@@ -252,18 +236,36 @@ def _assert_no_metric_state(saved, loss_total):
         assert loss_total not in value.ravel(), name
 
 
+@pytest.mark.parametrize('path', PATHS)
 @pytest.mark.parametrize('kind', ARTIFACTS)
-def test_no_artifact_holds_the_training_metrics(tmp_path, kind):
+def test_no_artifact_holds_the_key_stream_or_the_training_metrics(
+        tmp_path, kind, path):
+    dp = _trained_with_metrics(path=path, seed=SEED)
+    key_word = _key_words(dp)[-1]  # Philox state: [counter, counter, key].
     # fit's loss and metrics are the private batches' without noise (the
-    # loss tracker holds the exact sum of the sampled examples' losses):
-    # Keras 2 wrote their state into .weights.h5, .keras and SavedModel
-    # files. Saving writes them empty and keeps fit's running values.
-    dp = _trained_with_metrics()
+    # loss tracker holds the exact sum of the sampled examples' losses).
     running = _metric_values(dp)
     loss_total = running[0]
     assert loss_total > 0 and len(running) >= 4
-    _assert_no_metric_state(
-        _saved_variables(_save(dp, kind, str(tmp_path))), loss_total)
+    saved = _save(dp, kind, str(tmp_path))
+    data = _artifact_bytes(saved)
+    assert data
+    # The secret key word and the seed, in either byte order, appear
+    # nowhere in the files (the counter words are small step counts).
+    for value in (key_word, SEED):
+        for order in ('<', '>'):
+            packed = np.array([value], np.int64).astype(order + 'i8')
+            assert packed.tobytes() not in data, (kind, value)
+    assert b'dp_generator' not in data and b'_keys' not in data
+    # Nor may a config say how the stream was seeded (Keras initializers
+    # have a seed entry of their own, None here).
+    for config in (dp.get_config(), dp.optimizer.get_config()):
+        assert 'seed' not in config
+        assert str(SEED) not in json.dumps(config, default=str)
+    # Keras 2 wrote the metrics' state into .weights.h5, .keras and
+    # SavedModel files. Saving writes them empty and keeps fit's running
+    # values.
+    _assert_no_metric_state(_saved_variables(saved), loss_total)
     for got, want in zip(_metric_values(dp), running):
         np.testing.assert_array_equal(got, want)
 
