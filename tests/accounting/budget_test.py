@@ -3,6 +3,7 @@
 The Keras callback over it is tested in ledger_test.
 """
 
+import errno
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import dp_accounting
 import pytest
 
 from tf_twice.accounting import budget as budget_lib
+from tf_twice.accounting import ledger_state
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
 from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting.budget import PrivacyBudget
@@ -96,6 +98,8 @@ def test_write_ahead_is_capped_by_the_budget(tmp_path, target_steps,
     with open(path) as f:
         state = json.load(f)
     assert state['steps'] == state['reserved_steps'] == expected
+    if target is not None:  # A crash now leaves a file within the target.
+        assert state['epsilon'] <= target
     budget.charge(1)  # Covered by the reservation: no write.
     with open(path) as f:
         assert json.load(f)['steps'] == expected
@@ -119,8 +123,8 @@ def test_state_round_trip_keeps_segments_of_every_event():
     assert copy.epsilon == budget.epsilon
 
 
-def test_state_path_that_cannot_be_written_is_refused(tmp_path):
-    # A read-only filesystem: in ledger_test.
+def test_state_path_that_cannot_be_written_is_refused(tmp_path,
+                                                      monkeypatch):
     with pytest.raises(ValueError, match='state_path.*does not exist'):
         PrivacyBudget(EVENT, DELTA, state_path=str(tmp_path / 'no' / 'l'))
     with pytest.raises(ValueError, match='state_path.*is a directory'):
@@ -132,3 +136,151 @@ def test_state_path_that_cannot_be_written_is_refused(tmp_path):
                        'directory'):
         PrivacyBudget(EVENT, DELTA,
                       state_path=str(tmp_path / 'notes.txt' / 'l.json'))
+    state = PrivacyBudget(EVENT, DELTA).get_state()
+    with pytest.raises(ValueError, match='does not exist'):
+        PrivacyBudget.from_state(state, event=EVENT,
+                                 state_path=str(tmp_path / 'no' / 'l'))
+    # A read-only filesystem (root ignores permission bits, so it is
+    # emulated where the writability probe creates its file).
+    real_file = ledger_state.tempfile.NamedTemporaryFile
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, 'Read-only file system')
+
+    monkeypatch.setattr(ledger_state.tempfile, 'NamedTemporaryFile',
+                        read_only)
+    with pytest.raises(ValueError, match='state_path=.*not writable '
+                       '\\(Read-only file system\\)'):
+        PrivacyBudget(EVENT, DELTA, state_path=str(tmp_path / 'l.json'))
+    assert os.listdir(tmp_path) == ['notes.txt']  # Nothing created.
+    monkeypatch.setattr(ledger_state.tempfile, 'NamedTemporaryFile',
+                        real_file)
+    PrivacyBudget(EVENT, DELTA, state_path=str(tmp_path / 'l.json'))
+    assert os.listdir(tmp_path) == ['notes.txt']  # The probe left nothing.
+
+
+def test_atomic_write_survives_crash_mid_write(tmp_path, monkeypatch):
+    path = str(tmp_path / 'ledger.json')
+    budget = PrivacyBudget(EVENT, DELTA)
+    budget.charge(2)
+    budget.save(path)
+    before = open(path).read()
+    budget.charge(1)  # In memory; the next write fails half-way.
+    real_dump = json.dump
+
+    def dump_then_crash(obj, f, **kwargs):
+        f.write(json.dumps(obj)[:20])
+        raise OSError('disk gone mid-write')
+
+    monkeypatch.setattr(budget_lib.json, 'dump', dump_then_crash)
+    with pytest.raises(OSError, match='mid-write'):
+        budget.save(path)
+    monkeypatch.setattr(budget_lib.json, 'dump', real_dump)
+    assert open(path).read() == before
+    assert os.listdir(tmp_path) == ['ledger.json']  # No temp file left.
+    assert PrivacyBudget(EVENT, DELTA, state_path=path).steps == 2
+
+
+def _write_state(path, edit):
+    """A state file of 4 steps, edited by `edit(state)`."""
+    budget = PrivacyBudget(EVENT, DELTA)
+    budget.charge(4)
+    state = budget.get_state()
+    edit(state)
+    with open(path, 'w') as f:
+        json.dump(state, f)
+    return path
+
+
+def test_bad_state_files_are_refused(tmp_path):
+    path = tmp_path / 'ledger.json'
+    path.write_text('{"format": "tf_twice.PrivacyLedger", "vers')
+    with pytest.raises(ValueError, match='Cannot read'):
+        PrivacyBudget(EVENT, DELTA, state_path=str(path))
+    state = PrivacyBudget(EVENT, DELTA).get_state()
+    for key, value, match in [('format', 'x', 'format'),
+                              ('version', 99, 'version')]:
+        path.write_text(json.dumps(dict(state, **{key: value})))
+        with pytest.raises(ValueError, match=match):
+            PrivacyBudget(EVENT, DELTA, state_path=str(path))
+    evil = dict(state, segments=[{'event': {
+        'module_name': 'os', 'class_name': 'system', 'arguments': {}},
+        'count': 1}])
+    path.write_text(json.dumps(evil))
+    with pytest.raises(ValueError, match='only'):
+        PrivacyBudget(EVENT, DELTA, state_path=str(path))
+
+
+def test_a_state_file_edited_by_hand_is_refused(tmp_path):
+    def to_no_op(state):  # Its events made free, the digest left.
+        state['segments'][0]['event'] = budget_lib.event_to_json(
+            dp_accounting.NoOpDpEvent())
+
+    path = _write_state(str(tmp_path / 'ledger.json'), to_no_op)
+    with pytest.raises(ValueError, match='history_digest does not match'):
+        PrivacyBudget(EVENT, DELTA, state_path=path)
+
+
+def test_a_version_1_state_file_is_read_and_rewritten_as_2(tmp_path):
+    def to_version_1(state):
+        state['version'] = 1
+        del state['history_digest']
+
+    path = _write_state(str(tmp_path / 'ledger.json'), to_version_1)
+    budget = PrivacyBudget(EVENT, DELTA, state_path=path)
+    assert budget.steps == 4
+    budget.charge(1)
+    with open(path) as f:
+        state = json.load(f)
+    assert state['version'] == 2 and state['steps'] == 5
+    assert int(state['history_digest'], 16) == ledger_state.history_digest(
+        budget.history())
+
+
+@pytest.mark.parametrize('orders', [[0.5], [1.0], [float('nan')], [-2.0]])
+def test_a_state_file_with_invalid_orders_is_refused(tmp_path, orders):
+    # Closed: an RDP order <= 1 would convert to a meaningless (small) eps.
+    path = _write_state(str(tmp_path / 'ledger.json'),
+                        lambda state: state.update(orders=orders))
+    with pytest.raises(ValueError, match='orders'):
+        PrivacyBudget(EVENT, DELTA, state_path=path)
+
+
+def test_other_dp_accounting_events_and_custom_orders():
+    event = dp_accounting.PoissonSampledDpEvent(
+        0.01, dp_accounting.GaussianDpEvent(1.1))
+    budget = PrivacyBudget(event, DELTA, orders=[2, 4, 8, 16, 32])
+    budget.charge(100)
+    accountant = dp_accounting.rdp.RdpAccountant([2, 4, 8, 16, 32])
+    accountant.compose(event, 100)
+    assert budget.epsilon == pytest.approx(accountant.get_epsilon(DELTA))
+    restored = PrivacyBudget.from_state(budget.get_state())
+    assert list(restored.orders) == [2, 4, 8, 16, 32]
+
+
+def test_remaining_steps_respects_max_steps_and_the_target():
+    budget = PrivacyBudget(EVENT, DELTA, max_steps=10)
+    budget.charge(4)
+    assert budget.remaining_steps() == 6
+    assert budget.remaining_steps(limit=2) == 2
+    assert budget.can_take(6) and not budget.can_take(7)
+    # The tighter of the two limits wins.
+    target = (_epsilon(3) + _epsilon(4)) / 2
+    assert PrivacyBudget(EVENT, DELTA, max_steps=10,
+                         target_epsilon=target).remaining_steps() == 3
+    assert PrivacyBudget(EVENT, DELTA, max_steps=2,
+                         target_epsilon=target).remaining_steps() == 2
+    assert PrivacyBudget(EVENT, DELTA).remaining_steps() is None
+    over = PrivacyBudget(EVENT, DELTA, max_steps=3)
+    over.charge(5)  # Charged past the plan (steps that ran anyway).
+    assert over.remaining_steps() == 0 and not over.can_take(1)
+
+
+def test_max_steps_counts_resumed_steps(tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    first = PrivacyBudget(EVENT, DELTA, state_path=path)
+    first.charge(4)
+    first.write()
+    resumed = PrivacyBudget(EVENT, DELTA, state_path=path, max_steps=7)
+    assert resumed.steps == 4 and resumed.remaining_steps() == 3
+    assert resumed.can_take(3) and not resumed.can_take(4)
