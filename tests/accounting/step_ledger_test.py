@@ -6,11 +6,14 @@ train step does (`privacy_record_test` checks that it does); the Keras
 ledger's tests check that its hooks read the record where these readings do.
 """
 
+import json
 import logging
+import threading
 
 import dp_accounting
 import pytest
 
+from tf_twice.accounting import TwiceSamplingRdpAccountant
 from tf_twice.accounting import budget as budget_lib
 from tf_twice.accounting import ledger_state
 from tf_twice.accounting import step_ledger
@@ -38,11 +41,16 @@ class _Weights:
 
 
 class _Ledger(step_ledger.StepLedger):
+    """A ledger of `event` (or continuing `budget`) on `model`, built as
+    `PrivacyLedger`'s constructor builds it."""
 
-    def __init__(self, model, *, verbose=0, **kwargs):
-        self._setup(budget_lib.PrivacyBudget(EVENT, 1e-5, **kwargs),
-                    verbose=verbose)
+    def __init__(self, model, *, verbose=0, event=EVENT, budget=None,
+                 **kwargs):
+        if budget is None:
+            budget = budget_lib.PrivacyBudget(event, 1e-5, **kwargs)
+        self._setup(budget, verbose=verbose)
         self.model = model
+        self._log_resumed()
 
     def _model_record(self):
         return self.model, getattr(self.model, 'record', None)
@@ -228,3 +236,353 @@ def test_messages_go_to_the_keras_ledgers_logger(caplog):
     with caplog.at_level(logging.WARNING):
         assert ledger.steps == 0  # Refused: logged, not charged.
     assert [r.name for r in caplog.records] == ['tf_twice.keras.ledger']
+
+
+# --- the scenarios of the Keras ledger's tests, as records -----------------
+#
+# Each is a sequence of steps on the weights (`_Weights.run`: a train step of
+# any route, which keras tests check writes the record), weights restored
+# (a checkpoint, another run's weights), readings, a fit's watch (before an
+# execution: `_sync(watch=True)`), custom-loop calls and state files, with
+# the charge or refusal the ledger must give.
+
+NOOP = dp_accounting.NoOpDpEvent()
+
+
+def _words(event):
+    return sr.event_words(ledger_state.event_key(event))
+
+
+def _state_file(path, segments):
+    """Writes a state file whose history is `segments` of (event, count)."""
+    budget = budget_lib.PrivacyBudget(segments[0][0], 1e-5)
+    for event, count in segments:
+        budget.compose(event, count)
+    budget.save(path)
+    return path
+
+
+def _continued(ledger, event, weights):
+    """A ledger of `event` continuing `ledger`'s history (`from_state`)."""
+    return _Ledger(weights, budget=budget_lib.PrivacyBudget.from_state(
+        ledger.get_state(), event=event))
+
+
+def _fit(ledger, weights, count, words=WORDS):
+    """`count` steps of a fit under `ledger`: watched, then read."""
+    ledger._sync(watch=True)
+    weights.run(count, words)
+    ledger._sync()
+
+
+def _loop(ledger, weights, count):
+    """A custom loop's `count` steps: reserve, step, record."""
+    for _ in range(count):
+        ledger.reserve_steps(1)
+        weights.run(1)
+        ledger.record_steps(1)
+
+
+@pytest.mark.parametrize('runs, charged', [
+    # A fit without a ledger, or a custom loop, before the first fit under
+    # one: the weights released after it depend on all 5 steps.
+    ([('unseen', 3), ('watched', 2)], 5),
+    # A custom loop's steps between two fits under the ledger.
+    ([('watched', 2), ('unseen', 3), ('watched', 2)], 7),
+])
+def test_steps_no_ledger_watched_are_charged_by_the_next_one(runs, charged):
+    weights = _Weights()
+    ledger = None
+    for how, count in runs:
+        if how == 'unseen':
+            weights.run(count)
+        else:
+            ledger = ledger or _Ledger(weights)
+            _fit(ledger, weights, count)
+    assert ledger.steps == charged
+
+
+def test_a_second_ledger_on_the_same_state_file_charges_no_step_twice(
+        tmp_path):
+    path = str(tmp_path / 'ledger.json')
+    weights = _Weights()
+    first = _Ledger(weights, state_path=path, save_every_steps=1)
+    _fit(first, weights, 3)
+    first.save()
+    second = _Ledger(weights, state_path=path, save_every_steps=1)
+    assert second.steps == 3  # The file holds the weights' 3 steps.
+    _fit(second, weights, 2)
+    second.save()
+    assert second.steps == 5
+    assert _Ledger(None, state_path=path).steps == 5
+
+
+@pytest.mark.parametrize('custom_loop', [False, True])
+def test_a_new_ledger_charges_the_steps_another_charged(custom_loop):
+    # A recompile's fresh optimizer counts from 0, an audit leaves the
+    # weights as they were: the record still names the first ledger's
+    # steps, which a new ledger charges, in a fit or a custom loop; the
+    # first, still holding the model, charges the second's steps too.
+    weights = _Weights()
+    first = _Ledger(weights)
+    _fit(first, weights, 3)
+    second = _Ledger(weights)
+    if custom_loop:
+        _loop(second, weights, 2)
+    else:
+        _fit(second, weights, 2)
+    assert second.steps == first.steps == 3 + 2
+
+
+# The weights a checkpoint restored (their record, as (words, count)
+# segments), a state file beside them (None: a new ledger without one), the
+# ledger's event, and what it charges them (None: refused).
+_E, _O = WORDS, OTHER_WORDS
+
+
+@pytest.mark.parametrize('weights, state, event, charged', [
+    # A new ledger, a fresh optimizer: the record names their 3 steps.
+    pytest.param([(_E, 3)], None, EVENT, 3,
+                 id='restored_checkpoint_new_ledger'),
+    # The checkpoint's state file, which ran ahead of it (steps after the
+    # checkpoint, lost in a crash).
+    pytest.param([(_E, 3)], [(EVENT, 5)], EVENT, 5, id='its_file_ahead_of_it'),
+    # A stale copy of the state file: the steps it lacks are charged.
+    pytest.param([(_E, 5)], [(EVENT, 2)], EVENT, 5, id='stale_file'),
+    # Another run's file of the same events: its first 3 steps are the
+    # weights' 3, and its epsilon bounds theirs.
+    pytest.param([(_E, 3)], [(EVENT, 10)], EVENT, 10,
+                 id='other_runs_file_same_event'),
+    # Another run's file of another event: the weights' steps on top.
+    pytest.param([(_E, 3)], [(OTHER, 10)], EVENT, 13,
+                 id='other_runs_file_other_event'),
+    # The same, under the other run's event: the weights' steps are
+    # another mechanism's.
+    pytest.param([(_E, 3)], [(OTHER, 10)], OTHER, None,
+                 id='other_runs_file_and_event'),
+    # A ledger replaced by one continuing its history under a new event:
+    # either file resumes the checkpoint (the first lacks the 2 new steps).
+    pytest.param([(_O, 3), (_E, 2)], [(OTHER, 3)], EVENT, 5,
+                 id='replaced_ledgers_file'),
+    pytest.param([(_O, 3), (_E, 2)], [(OTHER, 3), (EVENT, 2)], EVENT, 5,
+                 id='its_replacements_file'),
+    # Steps of a fit without the ledger, after the file's last write.
+    pytest.param([(_E, 9)], [(EVENT, 5)], EVENT, 9,
+                 id='fit_without_the_ledger'),
+    # ... on input not checked to be Poisson-sampled: refused.
+    pytest.param([(_E, 9), (sr.UNCHECKED_INPUT, 1)], [(EVENT, 5)], EVENT, None,
+                 id='unchecked_input'),
+    # A checkpoint saved (ModelCheckpoint listed before the ledger) after a
+    # step the ledger had not charged yet: it holds that step.
+    pytest.param([(_E, 1)], None, EVENT, 1,
+                 id='saved_before_the_ledgers_hook'),
+    # A public starting point wrapped in a new DPModel: an empty record.
+    pytest.param([], None, EVENT, 0, id='public_starting_point'),
+])
+def test_restored_weights_are_charged_what_the_state_file_lacks(
+        tmp_path, weights, state, event, charged):
+    path = None
+    if state is not None:
+        path = _state_file(str(tmp_path / 'ledger.json'), state)
+    on_file = 0 if state is None else sum(count for _, count in state)
+    model = _Weights(sr.record_of(weights))
+    ledger = _Ledger(model, event=event, state_path=path)
+    if charged is None:
+        with pytest.raises(ValueError, match='cannot account'):
+            ledger._sync(watch=True)  # A fit is refused before any step.
+        assert ledger.budget.steps == on_file
+        return
+    assert ledger.steps == charged  # A reading charges them.
+    _fit(ledger, model, 1, _words(event))  # Training goes on.
+    assert ledger.steps == charged + 1
+    if path is not None:
+        ledger.save()
+        assert _Ledger(None, event=event, state_path=path).steps == (
+            charged + 1)
+
+
+def _edit_file(path, edit, recompute_digest):
+    with open(path) as f:
+        state = json.load(f)
+    edit(state)
+    if recompute_digest:  # As a deliberate forger would.
+        segments = ledger_state.parse_segments(
+            dict(state, version=1))  # Version 1 skips the digest check.
+        state['history_digest'] = ledger_state.word_to_hex(
+            ledger_state.history_digest(
+                [(ledger_state.event_key(e), c) for e, c in segments]))
+    with open(path, 'w') as f:
+        json.dump(state, f)
+
+
+def test_a_forged_state_file_beside_its_checkpoint_charges_its_steps(
+        tmp_path):
+    # The digest recomputed, the events made no-ops: the file reads as
+    # written, but the weights' record names 3 steps of the event, which
+    # the ledger then charges on top.
+    path = _state_file(str(tmp_path / 'ledger.json'), [(EVENT, 3)])
+
+    def to_no_op(state):
+        state['segments'][0]['event'] = budget_lib.event_to_json(NOOP)
+
+    _edit_file(path, to_no_op, recompute_digest=True)
+    forged = _Ledger(None, state_path=path)
+    assert forged.steps == 3 and forged.epsilon == 0.0  # Read as written.
+    weights = _Weights(sr.extend(sr.EMPTY, WORDS, 3))
+    ledger = _Ledger(weights, state_path=path)
+    _fit(ledger, weights, 1)
+    assert ledger.steps == 3 + 3 + 1
+    assert ledger.epsilon == pytest.approx(
+        budget_lib.PrivacyBudget(EVENT, 1e-5).epsilon_after(4), rel=1e-9)
+
+
+@pytest.mark.parametrize('stale', [False, True])
+def test_loop_steps_on_restored_weights_do_not_fill_the_gap(tmp_path,
+                                                            stale):
+    # Steps run on restored weights (3 steps) before the ledger's first
+    # check are not the weights' old steps: the record counts both.
+    path = None
+    if stale:  # A copy of the file from before the third step.
+        path = _state_file(str(tmp_path / 'stale.json'), [(EVENT, 2)])
+    weights = _Weights(sr.extend(sr.EMPTY, WORDS, 3))
+    ledger = _Ledger(weights, state_path=path)
+    weights.run(3)
+    ledger.record_steps(3)
+    assert ledger.steps == 6
+
+
+@pytest.mark.parametrize('words, charged', [(WORDS, 10 + 1),
+                                            (OTHER_WORDS, None)])
+def test_weights_reloaded_during_a_custom_loop(words, charged):
+    # Another run's weights (10 steps) loaded under this ledger: their
+    # steps are charged if they are its event's (they extend the 2 it
+    # watched by 8 of its event, which ran on other weights: it cannot
+    # tell), refused if another mechanism's.
+    weights = _Weights()
+    ledger = _Ledger(weights)
+    _loop(ledger, weights, 2)
+    weights.record = sr.extend(sr.EMPTY, words, 10)
+    if charged is None:
+        with pytest.raises(ValueError, match='cannot account'):
+            _loop(ledger, weights, 1)
+        assert ledger.budget.steps == 2
+    else:
+        _loop(ledger, weights, 1)
+        assert ledger.steps == charged
+
+
+@pytest.mark.parametrize('words, read', [
+    (OTHER_WORDS, None), (sr.NON_PRIVATE, None),
+    (OTHER_WORDS, 'epsilon'), (OTHER_WORDS, 'state')])
+def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
+        words, read):
+    # A ledger that charged more steps than ran (recorded without a step; a
+    # write-ahead reservation a crash left, or a resumed file, do the same)
+    # has room for another mechanism's steps in every count: the record
+    # still refuses them, at a fit's start and in a custom loop, also after
+    # a ledger of that mechanism was built just to read its epsilon or its
+    # state on the same weights.
+    weights = _Weights()
+    ledger = _Ledger(weights)
+    ledger.record_steps(3)
+    weights.run(2, words)
+    if read is not None:
+        reader = _Ledger(weights, event=OTHER)
+        assert (reader.epsilon > 0 if read == 'epsilon' else
+                reader.get_state()['steps'] == 2)
+    assert ledger.steps == 3  # A reading leaves them uncharged.
+    refusal = r'hold 2 DP steps.*cannot account'
+    with pytest.raises(ValueError, match=refusal):
+        ledger._sync(watch=True)  # The start of a fit.
+    with pytest.raises(ValueError, match=refusal):
+        ledger.record_steps(2)
+    assert ledger.steps == 3
+
+
+def test_a_ledger_continuing_the_history_under_another_event_charges_it():
+    # Steps under A's ledger, then B's steps outside it: A's ledger cannot
+    # charge B's (a fit under it is refused); one continuing its history
+    # under B's event charges them and composes both.
+    weights = _Weights()
+    ledger = _Ledger(weights)
+    _fit(ledger, weights, 2)
+    weights.run(3, OTHER_WORDS)
+    with pytest.raises(ValueError, match='cannot account'):
+        ledger._sync(watch=True)
+    both = _continued(ledger, OTHER, weights)
+    _fit(both, weights, 1, OTHER_WORDS)
+    assert both.steps == 2 + 3 + 1 and ledger.steps == 2
+    assert [s['count'] for s in both.get_state()['segments']] == [2, 4]
+
+
+def test_a_history_continued_through_states_goes_back_to_a_mechanism():
+    # A's custom loop, then B's steps charged by a ledger continuing A's
+    # history that binds the weights without training, then A again with a
+    # ledger continuing that one: B's steps are accounted in its history,
+    # and A's own ledger may not go on (its epsilon leaves them out; it
+    # once checked the weights at its first record only).
+    weights = _Weights()
+    ledger_a = _Ledger(weights)
+    _loop(ledger_a, weights, 2)
+    weights.run(3, OTHER_WORDS)
+    ledger_ab = _continued(ledger_a, OTHER, weights)
+    ledger_ab._sync(watch=True)  # bind_model
+    assert ledger_ab.steps == 2 + 3
+    with pytest.raises(ValueError, match='hold 5 DP steps.*cannot account'):
+        ledger_a.reserve_steps(1)
+    assert ledger_a.steps == 2
+    ledger_aba = _continued(ledger_ab, EVENT, weights)
+    _fit(ledger_aba, weights, 1)
+    assert ledger_aba.steps == 2 + 3 + 1
+    assert [s['count'] for s in
+            ledger_aba.get_state()['segments']] == [2, 3, 1]
+
+
+def test_a_resume_under_another_event_composes_both_and_says_so(tmp_path,
+                                                                caplog):
+    path = str(tmp_path / 'ledger.json')
+    _Ledger(None, state_path=path).record_steps(5)
+    with caplog.at_level(logging.WARNING, logger='tf_twice.keras.ledger'):
+        _Ledger(None, state_path=path, verbose=1)  # The same mechanism.
+        assert 'another mechanism' not in caplog.text
+        second = _Ledger(None, event=OTHER, state_path=path, verbose=1)
+        assert 'ran another mechanism' in caplog.text  # Said, at verbose=1.
+    assert second.epsilon == pytest.approx(
+        TwiceSamplingRdpAccountant().compose(EVENT, 5).get_epsilon(1e-5))
+    second.record_steps(3)  # A plain model's steps (no record).
+    expected = TwiceSamplingRdpAccountant().compose(EVENT, 5).compose(
+        OTHER, 3).get_epsilon(1e-5)
+    assert second.steps == 8
+    assert second.epsilon == pytest.approx(expected, rel=1e-12)
+    third = _Ledger(None, state_path=path)
+    assert third.epsilon == pytest.approx(expected, rel=1e-12)
+    with open(path) as f:
+        segments = json.load(f)['segments']
+    assert [s['count'] for s in segments] == [5, 3]
+    assert budget_lib.event_from_json(segments[1]['event']) == OTHER
+
+
+def test_concurrent_record_steps_charge_every_step():
+    """Thread A is switched out inside `record_steps`; thread B records a
+    step meanwhile. Unlocked, A took B's step for its own. With the lock, B
+    waits for A (A stops waiting for B after 1 s): both steps count."""
+    ledger = _Ledger(None)  # A model without a record (a plain model).
+    real_sync = ledger._sync
+    other_done = threading.Event()
+    others = []
+
+    def sync(**kwargs):  # Thread A is switched out after reading `before`.
+        if threading.current_thread().name == 'A' and not others:
+            others.append(threading.Thread(
+                target=lambda: (ledger.record_steps(1), other_done.set()),
+                name='B'))
+            others[0].start()
+            other_done.wait(timeout=1)
+        real_sync(**kwargs)
+
+    ledger._sync = sync
+    first = threading.Thread(target=lambda: ledger.record_steps(1), name='A')
+    first.start()
+    first.join()
+    others[0].join()
+    assert ledger.budget.steps == 2  # Unlocked: 1.

@@ -66,6 +66,15 @@ def test_order_and_events_change_the_digest():
     # Another run's file of other events: the weights' steps are charged
     # on top (its first j = 0 steps).
     ([(F, 10)], None, [(E, 3)], 3),
+    # A second ledger on the state file of the first: its history holds
+    # every step of the weights.
+    ([(E, 3)], None, [(E, 3)], 0),
+    # Another run's weights of this event loaded under a ledger that
+    # watched 2 steps: 8 steps of its event extend them (it cannot tell
+    # that they ran on other weights).
+    ([(E, 2)], (E, 2), [(E, 10)], 8),
+    # Back to the first mechanism after another's steps were charged.
+    ([(E, 2), (F, 3)], None, [(E, 2), (F, 3), (E, 1)], 1),
 ])
 def test_accepted_records_charge_the_steps_not_yet_charged(
         history, accepted, record, charge):
@@ -85,6 +94,13 @@ def test_accepted_records_charge_the_steps_not_yet_charged(
     ([(E, 10)], (E, 2), [(F, 10)]),
     # A branch inside another mechanism's segment, then this event.
     ([(F, 10)], None, [(F, 4), (E, 2)]),
+    # A ledger that charged more steps than ran (steps recorded by hand, a
+    # reservation a crash left): its count has room for the weights' steps
+    # of another mechanism, or non-private ones, but its history does not.
+    ([(E, 3)], None, [(F, 2)]),
+    ([(E, 3)], None, [(sr.NON_PRIVATE, 2)]),
+    # Another run's file of this event beside weights of another one.
+    ([(E, 10)], None, [(F, 3)]),
 ])
 def test_records_the_history_does_not_cover_are_refused(history, accepted,
                                                         record):
@@ -97,6 +113,9 @@ def test_records_the_history_does_not_cover_are_refused(history, accepted,
     sr.Record(3, (sr.MODULUS, 0)),
     sr.Record(0, (5, 7)),  # A digest without steps: weights * 0.1.
     sr.Record(3, tuple(d // 10 for d in sr.record_of([(E, 30)]).digest)),
+    # set_weights([w * 0.1 for w in get_weights()]): the record, int64,
+    # scaled and truncated with the others.
+    sr.Record(0, tuple(d // 10 for d in sr.record_of([(E, 3)]).digest)),
 ])
 def test_records_no_step_writes_are_refused(record):
     assert sr.steps_to_charge([(E, 30)], None, record, E) is None
