@@ -92,22 +92,35 @@ def _dp_model(**changes):
 
 
 @pytest.mark.parametrize('dp', [False, True])
-def test_exhausted_budget_with_metrics_no_step_has_built(dp):
-    # Keras 3 builds compiled metrics at the first step: a fit that runs
-    # no step must still end cleanly, and the next one train.
+def test_an_exhausted_budget_runs_no_step_and_restores_the_train_function(
+        dp):
+    # Before the first step the ledger swaps the train function for one
+    # that runs none (Keras ignores stop_training then), over the one that
+    # watches a DP model's record. Keras 3 builds compiled metrics at the
+    # first step: a fit that runs no step must still end cleanly, and the
+    # next one, without the ledger, train.
     if dp:
         model = _dp_model()
         model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse',
                       metrics=['mae'])
         ledger = PrivacyLedger.for_model(model, delta=DELTA, max_steps=0)
-    else:
+    else:  # A target the steps recorded so far exhausted.
         model = _model()
         model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss='mse',
                       metrics=['mae'])
-        ledger = PrivacyLedger(EVENT, DELTA, max_steps=0)
-    model.fit(_data(), epochs=1, callbacks=[ledger], verbose=0)
-    assert ledger.steps == 0 == int(model.optimizer.iterations)
+        target = (_accountant_epsilon((EVENT, 3))
+                  + _accountant_epsilon((EVENT, 4))) / 2
+        ledger = PrivacyLedger(EVENT, DELTA, target_epsilon=target)
+        ledger.record_steps(3)
+    initial = model.get_weights()
+    model.fit(_data(), epochs=2, callbacks=[ledger], verbose=0)
+    assert ledger.steps == (0 if dp else 3)
+    assert int(model.optimizer.iterations) == 0
+    for a, b in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(a, b)
     assert 'get_metrics_result' not in vars(model)  # Restored.
+    assert model.train_function.__name__ not in ('blocked_train_function',
+                                                 'watched_train_function')
     history = model.fit(_data(steps=2), epochs=1, verbose=0)
     assert int(model.optimizer.iterations) == 2
     assert any('mae' in key for key in history.history)
