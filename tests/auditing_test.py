@@ -21,6 +21,7 @@ from tests import tiny_models
 from tf_twice import auditing
 from tf_twice import sampling
 from tf_twice.keras import PrivacyLedger
+from tf_twice.keras import privacy_record
 from tf_twice.mechanism import basis as basis_lib
 
 DIM = 4
@@ -215,6 +216,8 @@ def test_a_ledger_before_an_audit_does_not_charge_its_trials():
                                         seed=seed)
 
     model.fit(data(0), callbacks=[ledger], verbose=0)
+    before = privacy_record.read(model)
     auditing.audit_one_step(model, _canary(0), num_trials=20, delta=DELTA)
+    assert privacy_record.read(model) == before  # Restored with the weights.
     model.fit(data(1), callbacks=[ledger], verbose=0)
     assert ledger.steps == 6  # Not 6 + the audit's 41 draws.

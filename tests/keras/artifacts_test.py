@@ -5,7 +5,8 @@ Every artifact kind a Keras user writes (TF checkpoint, ``.weights.h5``,
 searched for the step-key stream's state; restores of one checkpoint must
 draw independent noise, a seeded model restored from any artifact must not
 replay the seed's noise, and only the explicit secret run-state file
-reproduces a seeded stream.
+reproduces a seeded stream. Every checkpoint restores the record of the DP
+steps the weights hold (`tf_twice.keras.privacy_record`).
 
 Keras 3 writes no TF-format or plain ``.h5`` weights (those kinds are Keras
 2's); its SavedModel is ``Model.export``; ``tf.train.Checkpoint`` and the
@@ -34,6 +35,7 @@ from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.config import TwiceSamplingConfig
 from tf_twice.keras import DPModel
+from tf_twice.keras import privacy_record
 
 CONFIG = TwiceSamplingConfig.single(
     num_examples=100, expected_batch_size=4.0, l2_norm_clip=0.5,
@@ -132,6 +134,13 @@ def _load(dp, kind, saved):
             os.path.join(saved, 'opt')).assert_existing_objects_matched()
     else:
         dp.load_weights(saved)
+
+
+def _record(dp, steps):
+    """`dp`'s record, which holds `steps` steps."""
+    record = privacy_record.read(dp)
+    assert record.steps == steps and record.digest != (0, 0)
+    return record
 
 
 def _optimizer_variables(optimizer):
@@ -476,6 +485,9 @@ def test_seeded_resume_does_not_replay_noise(tmp_path, kind, path):
         resumed = _dp_model(seed=SEED, path=path)
         _load(resumed, kind, saved)
         assert int(resumed.optimizer.iterations) == 2  # Really restored.
+        # With the record of the steps the weights hold, which a ledger
+        # charges (ledger_state_attack_test).
+        assert privacy_record.read(resumed) == _record(dp, steps=2)
         forks.append(_noise_of_next_step(resumed))
     for a, b in [(forks[0], first), (forks[0], second), (forks[1], first),
                  (forks[1], second), (forks[0], forks[1])]:
@@ -596,6 +608,7 @@ def test_keras_file_reloads_compiled_without_replaying(tmp_path, path):
     for loaded in loads:
         assert isinstance(loaded, DPModel)
         assert int(loaded.optimizer.iterations) == 1
+        assert privacy_record.read(loaded) == _record(dp, steps=1)
         assert loaded.config == dp.config == CONFIG
         assert type(loaded.optimizer) is type(dp.optimizer)
         for a, b in zip(loaded.get_weights(), dp.get_weights()):
