@@ -3,8 +3,6 @@ silently stop holding, each refused or accounted.
 
 Every test here failed before the change it pins down:
 
-* steps a DP model ran before any ledger saw it (a ``fit`` without the
-  ledger, a custom loop) are charged by the first ledger that sees it;
 * callbacks that act on the noise-free ``nonprivate_*`` training logs
   (EarlyStopping, ReduceLROnPlateau, ModelCheckpoint's ``save_best_only``)
   would make the schedule or the released checkpoint a noise-free
@@ -15,6 +13,12 @@ Every test here failed before the change it pins down:
 * the training script's ``run.json`` holds no seed;
 * ``preprocess_fn`` of ``poisson_batches`` runs on each example alone, so
   a preprocessing step that uses batch statistics cannot mix examples.
+
+Steps a DP model ran before any ledger saw it (a ``fit`` without the
+ledger, a custom loop), charged by the first ledger that sees it, and
+audit trials, charged by none: tests/keras/ledger_state_attack_test.py
+(the record every route writes), tests/auditing_test.py and
+tests/accounting/step_ledger_test.py.
 """
 
 import dataclasses
@@ -65,52 +69,6 @@ def _data(steps=3, seed=1):
     return sampling.poisson_batches(X, Y, physical_batch_size=8,
                                     expected_batch_size=16.0, steps=steps,
                                     seed=seed)
-
-
-# --- (1) steps no ledger charged ---------------------------------------------
-
-
-def test_steps_of_a_fit_without_ledger_are_charged_by_the_next_ledger():
-    # The weights released after the second fit depend on all five steps.
-    dp = _dp_model()
-    dp.fit(_data(steps=3), verbose=0)
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=2, seed=2), callbacks=[ledger], verbose=0)
-    assert int(dp.optimizer.iterations) == 5
-    assert ledger.steps == 5
-
-
-def test_custom_loop_steps_before_the_first_fit_are_charged():
-    dp = _dp_model()
-    step = tf.function(dp.train_step)
-    for batch in _data(steps=2):
-        step(batch)
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=1, seed=2), callbacks=[ledger], verbose=0)
-    assert ledger.steps == int(dp.optimizer.iterations) == 3
-
-
-def test_a_second_ledger_on_the_same_state_file_charges_no_step_twice(
-        tmp_path):
-    path = str(tmp_path / 'ledger.json')
-    dp = _dp_model()
-    first = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
-                                    save_every_steps=1, verbose=0)
-    dp.fit(_data(steps=3), callbacks=[first], verbose=0)
-    second = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
-                                     save_every_steps=1, verbose=0)
-    dp.fit(_data(steps=2, seed=2), callbacks=[second], verbose=0)
-    assert second.steps == int(dp.optimizer.iterations) == 5
-
-
-def test_audit_trials_are_not_charged():
-    from tf_twice import auditing  # pylint: disable=g-import-not-at-top
-    dp = _dp_model()
-    x, y = tiny_models.data(1, seed=5)
-    auditing.audit_one_step(dp, (x[0], y[0]), num_trials=20, delta=0.1)
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
-    assert ledger.steps == 2
 
 
 # --- (2) callbacks on noise-free training logs ---------------------------------
