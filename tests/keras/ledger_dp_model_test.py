@@ -1,6 +1,11 @@
-"""PrivacyLedger and tf_twice DP models: for_model, the checks at the start
-of fit, and steps charged from the weights' record
-(tf_twice.keras.privacy_record)."""
+"""PrivacyLedger and tf_twice DP models, end to end: for_model, the checks
+at the start of fit, and the plumbing by which steps are charged from the
+weights' record (tf_twice.keras.privacy_record): the train function a
+ledger watches or blocks, interrupted fits, rollbacks, reduced precision,
+custom loops, the DP optimizer path and its recompiles.
+
+Which records a ledger charges or refuses, in every scenario these fits
+reach: tests/accounting/step_ledger_test.py and step_record_test.py."""
 
 import logging
 import os
@@ -16,12 +21,13 @@ from tests.keras.ledger_setup import accountant_epsilon as _accountant_epsilon
 from tests.keras.ledger_setup import data as _data
 from tests.keras.ledger_setup import DELTA, EVENT, Q1, X, Y
 from tests.keras.ledger_setup import model as _model
-from tf_twice import auditing
 from tf_twice import optimizers
 from tf_twice import sampling
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
+from tf_twice.accounting import step_record
 from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.keras import DPModel
+from tf_twice.keras import privacy_record
 from tf_twice.keras.ledger import PrivacyLedger
 
 
@@ -210,10 +216,15 @@ class _FailingCallback(tf.keras.callbacks.Callback):
             raise OSError('disk full')
 
 
-def test_steps_of_an_interrupted_fit_are_charged(tmp_path):
+def test_an_interrupted_fit_charges_its_steps_and_leaves_no_ledger_behind(
+        tmp_path):
     # The failing callback runs before the ledger: step 3 ran, but the
-    # ledger's on_train_batch_end never saw it. It is charged at the next
-    # hook, and the state file never holds fewer steps than ran.
+    # ledger's on_train_batch_end never saw it. The train function it
+    # watches charged it, and the state file, written ahead, never holds
+    # fewer steps than ran. Keras calls no on_train_end then: DPModel.fit
+    # releases the train function itself, so a later fit without the
+    # ledger runs without it (here on unchecked input, which that ledger
+    # would have refused).
     path = str(tmp_path / 'ledger.json')
     dp = _dp_model()
     ledger = PrivacyLedger.for_model(dp, delta=DELTA,
@@ -222,10 +233,13 @@ def test_steps_of_an_interrupted_fit_are_charged(tmp_path):
     with pytest.raises(OSError, match='disk full'):
         dp.fit(_data(steps=5), callbacks=[_FailingCallback(3), ledger],
                verbose=0)
-    assert int(dp.optimizer.iterations) == 3
-    dp.fit(_data(steps=5, seed=2), callbacks=[ledger], verbose=0)
-    assert ledger.steps == int(dp.optimizer.iterations) == 8
-    assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == 8
+    assert int(dp.steps_taken) == 3 == ledger.budget.steps  # No reading.
+    assert 3 <= PrivacyLedger(EVENT, DELTA, state_path=path).steps <= 4
+    assert dp.train_function.__name__ != 'watched_train_function'
+    unchecked = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).take(1)
+    with pytest.warns(UserWarning, match='not Poisson-sampled'):
+        dp.fit(unchecked, verbose=0)
+    assert ledger.budget.steps == 3 and int(dp.steps_taken) == 4
 
 
 class _FreezeFirstLayer(tf.keras.callbacks.Callback):
@@ -274,47 +288,32 @@ def test_steps_after_a_layer_is_frozen_during_fit_are_charged(tmp_path):
 
 
 @markers.needs_tf_privacy_optimizers
-def test_steps_of_another_mechanism_stop_a_fit_the_ledger_watches():
-    # Steps of an event not the ledger's cannot be charged by it: read
-    # outside a fit they are left uncharged (a warning), but in a fit's
-    # batch hook they stop the fit instead of letting it run past the
-    # ledger's limits uncharged. (Keras cannot recompile during a fit, so
-    # the hook is called as fit would call it.)
-    dp = _dp_optimizer_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, max_steps=5, verbose=0)
-    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
-    _steps_under(dp, _config(noise_multiplier=0.5), steps=1)
-    with pytest.raises(ValueError, match='cannot account'):
-        ledger.on_train_batch_end(0)
-    assert dp.stop_training
-    assert ledger.steps == 2
-
-
-@markers.needs_tf_privacy_optimizers
 def test_steps_of_a_replaced_dp_optimizer_of_another_mechanism_are_not_its():
     # Fit under optimizer A's ledger, recompile with B (less noise), run B's
     # steps outside any fit the ledger watches, recompile back to A: the
     # weights' record names B's steps, so they are not charged as A's (they
-    # were once: epsilon under-reported). A's ledger refuses more steps; a
-    # ledger continuing its history under B's event charges them.
+    # were once: epsilon under-reported), and A's ledger refuses more
+    # steps. A ledger continuing A's history under B's event, bound to the
+    # weights without training, charges them; one continuing that one under
+    # A charges A's next step, which the recompile back traced with A's
+    # words.
     dp, ledger, optimizer_a = _a_then_steps_under(
         _config(noise_multiplier=0.3), fit_steps=2, steps=3)
-    optimizer_b = dp.optimizer
+    ledger_ab = PrivacyLedger.from_state(ledger.get_state(),
+                                         event=dp.dp_event(), verbose=0)
     dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
     assert ledger.steps == 2
     with pytest.raises(ValueError, match='cannot account'):
         dp.fit(_data(steps=1, seed=3), callbacks=[ledger], verbose=0)
     assert int(dp.steps_taken) == 5
-    dp.compile(optimizer=optimizer_b, loss=tf.keras.losses.MeanSquaredError())
-    # Going on under B: a ledger continuing A's history charges B's steps
-    # under B's event and composes both.
-    both = PrivacyLedger.from_state(ledger.get_state(), event=dp.dp_event(),
-                                    verbose=0)
-    dp.fit(_data(steps=1, seed=4), callbacks=[both], verbose=0)
-    assert both.steps == 2 + 3 + 1
-    assert ledger.steps == 2
-    state = both.get_state()
-    assert [segment['count'] for segment in state['segments']] == [2, 4]
+    ledger_ab.bind_model(dp)
+    assert ledger_ab.steps == 2 + 3
+    ledger_aba = PrivacyLedger.from_state(ledger_ab.get_state(),
+                                          event=dp.dp_event(), verbose=0)
+    dp.fit(_data(steps=1, seed=4), callbacks=[ledger_aba], verbose=0)
+    assert ledger_aba.steps == 2 + 3 + 1 and ledger.steps == 2
+    assert [segment['count'] for segment in
+            ledger_aba.get_state()['segments']] == [2, 3, 1]
 
 
 def _install_optimizer(dp, optimizer, route):
@@ -333,21 +332,19 @@ def _install_optimizer(dp, optimizer, route):
 
 
 @markers.needs_tf_privacy_optimizers
-@pytest.mark.parametrize('other, route, read', [
-    ('less_noise', 'recompiled', None), ('non_private', 'recompiled', None),
-    ('less_noise', 'assigned', None),
-    ('less_noise', 'after_a_failed_compile', None),
-    ('less_noise', 'recompiled', 'epsilon'),
-    ('less_noise', 'recompiled', 'state')])
+@pytest.mark.parametrize('other, route', [
+    ('less_noise', 'recompiled'), ('non_private', 'recompiled'),
+    ('less_noise', 'assigned'), ('less_noise', 'after_a_failed_compile')])
 def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
-        other, route, read):
+        other, route):
     # A ledger that charged more steps than ran (here recorded without a
     # step; a write-ahead reservation a crash left, or a resumed file, do
     # the same) has room for B's steps in every count: the record must
     # still refuse it, in a fit and in a custom loop, however B was
     # installed and replaced (B's steps were once missed when no
-    # successful recompile replaced it), also after a ledger of B built
-    # just to read B's epsilon or its state.
+    # successful recompile replaced it); a reading while B is installed
+    # leaves them uncharged. (The same after a ledger of B read B's epsilon
+    # or state: step_ledger_test.)
     dp = _dp_optimizer_model()
     optimizer_a = dp.optimizer
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
@@ -360,10 +357,7 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
     step = tf.function(dp.train_step)
     for batch in _data(steps=2, seed=2):
         step(batch)
-    if read is not None:
-        reader = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-        assert (reader.epsilon > 0 if read == 'epsilon' else
-                reader.get_state()['steps'] == 2)
+    assert ledger.steps == 3
     _install_optimizer(dp, optimizer_a, route)
     refusal = r'hold 2 DP steps.*cannot account'
     with pytest.raises(ValueError, match=refusal):
@@ -372,49 +366,6 @@ def test_uncharged_steps_of_another_mechanism_are_refused_under_an_over_count(
         ledger.record_steps(2)
     assert ledger.steps == 3
     assert int(dp.optimizer.iterations) == 0  # A ran no step.
-
-
-@markers.needs_tf_privacy_optimizers
-def test_a_history_continued_through_states_goes_back_to_a_mechanism():
-    # A, then B's steps charged by a ledger continuing A's history that
-    # binds the weights without training, then back to A with a ledger
-    # continuing that one: B's steps are accounted in its history.
-    dp, ledger_a, optimizer_a = _a_then_steps_under(
-        _config(noise_multiplier=0.3), fit_steps=2, steps=3)
-    ledger_ab = PrivacyLedger.from_state(ledger_a.get_state(),
-                                         event=dp.dp_event(), verbose=0)
-    ledger_ab.bind_model(dp)
-    assert ledger_ab.steps == 2 + 3
-    dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
-    ledger_aba = PrivacyLedger.from_state(ledger_ab.get_state(),
-                                          event=dp.dp_event(), verbose=0)
-    dp.fit(_data(steps=1, seed=3), callbacks=[ledger_aba], verbose=0)
-    assert ledger_aba.steps == 2 + 3 + 1
-    assert [segment['count'] for segment in
-            ledger_aba.get_state()['segments']] == [2, 3, 1]
-
-
-@markers.needs_tf_privacy_optimizers
-def test_a_custom_loop_checks_the_weights_again_after_another_mechanism():
-    # A's custom loop, B's steps charged by a ledger continuing A's history,
-    # back to A: A's ledger must refuse to go on (its epsilon leaves out
-    # B's steps). It checked the weights at its first record only, so it
-    # went on reporting A's steps alone.
-    dp = _dp_optimizer_model()
-    optimizer_a = dp.optimizer
-    ledger_a = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    step = tf.function(dp.train_step)
-    for batch in ledger_a.logical_batches(_data(steps=2)):
-        step(batch)
-    _steps_under(dp, _config(noise_multiplier=0.3), steps=3)
-    assert ledger_a.steps == 2
-    ledger_ab = PrivacyLedger.from_state(ledger_a.get_state(),
-                                         event=dp.dp_event(), verbose=0)
-    ledger_ab.bind_model(dp)
-    dp.compile(optimizer=optimizer_a, loss=tf.keras.losses.MeanSquaredError())
-    with pytest.raises(ValueError, match='hold 5 DP steps.*cannot account'):
-        ledger_a.reserve_steps(1)
-    assert ledger_a.steps == 2
 
 
 @markers.needs_tf_privacy_optimizers
@@ -432,40 +383,22 @@ def test_steps_of_a_cached_train_function_of_another_mechanism_stop_the_fit():
                                         event=dp.dp_event(), verbose=0)
     with pytest.raises(ValueError, match='cannot account'):
         dp.fit(_data(steps=5, seed=2), callbacks=[ledger_b], verbose=0)
+    assert dp.stop_training  # Refused in the fit: training stops.
     assert int(dp.steps_taken) == 4
     assert ledger_b.steps == 3
     assert ledger_a.steps == 3 + 1  # A's ledger charges A's step.
 
 
 @markers.needs_tf_privacy_optimizers
-def test_an_audit_on_a_stream_the_ledger_has_not_seen_is_not_charged():
-    # An audit's trials draw keys but leave the weights as they were; on a
-    # stream the ledger first sees after its first reading (a recompile
-    # with a new optimizer of the same mechanism) they were charged as
-    # steps (41 for 20 trials), raising epsilon for nothing.
-    dp, ledger, _ = _a_then_steps_under(CONFIG, fit_steps=3, steps=0)
-    auditing.audit_one_step(dp, (X[0], Y[0]), num_trials=5, delta=DELTA,
-                            seed=0)
-    dp.fit(_data(steps=2, seed=3), callbacks=[ledger], verbose=0)
-    assert ledger.steps == 3 + 2
-
-
-@markers.needs_tf_privacy_optimizers
-def test_a_ledger_reads_while_the_model_runs_a_non_private_optimizer():
-    # A non_private config has no DP event: the ledger's reading must not
-    # fail on it, nor charge its steps as the ledger's event.
-    dp, ledger, _ = _a_then_steps_under(_config(non_private=True),
-                                        fit_steps=2, steps=1)
-    assert ledger.steps == 2
-
-
-@markers.needs_tf_privacy_optimizers
-def test_steps_of_a_replaced_dp_optimizer_are_charged():
-    # An interrupted fit, then a recompile with another DP optimizer (other
-    # step keys): the step the ledger did not see is still charged.
+def test_steps_of_replaced_dp_optimizers_of_the_same_mechanism_are_charged():
+    # An interrupted fit, then a recompile with another DP optimizer of the
+    # same config (other step keys): the step the ledger did not see is
+    # still charged. Then one the ledger never saw, compiled, used in a
+    # custom loop and replaced, and a recompile back to the first: their
+    # steps are the event's, charged, never refused.
     dp = _dp_optimizer_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
-                                     verbose=0)
+    first = dp.optimizer
+    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     with pytest.raises(OSError, match='disk full'):
         dp.fit(_data(steps=5), callbacks=[_FailingCallback(3), ledger],
                verbose=0)
@@ -474,22 +407,19 @@ def test_steps_of_a_replaced_dp_optimizer_are_charged():
         loss=tf.keras.losses.MeanSquaredError())
     dp.fit(_data(steps=2, seed=2), callbacks=[ledger], verbose=0)
     assert ledger.steps == 3 + 2
-    # An optimizer the ledger never saw: compiled, used in a custom loop,
-    # replaced. The model keeps its key stream, so its steps are charged.
     _steps_under(dp, CONFIG, steps=3, seed=3)
-    dp.compile(optimizer=optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        CONFIG, learning_rate=0.05),
-        loss=tf.keras.losses.MeanSquaredError())
+    dp.compile(optimizer=first, loss=tf.keras.losses.MeanSquaredError())
     dp.fit(_data(steps=2, seed=4), callbacks=[ledger], verbose=0)
-    assert ledger.steps == 3 + 2 + 3 + 2
+    assert ledger.steps == int(dp.steps_taken) == 3 + 2 + 3 + 2
 
 
 @pytest.mark.parametrize('policy', ['mixed_float16', 'float16'])
 def test_reduced_precision_steps_are_charged(tmp_path, policy):
     # Under 'mixed_float16' Keras wraps the optimizer in a
     # LossScaleOptimizer, which DPModel's update bypasses; under 'float16'
-    # the variables are 16-bit. Either way an interrupted fit, a custom
-    # loop and a resumed ledger charge every step that ran.
+    # the variables are 16-bit. Either way the record, int64, holds every
+    # step that ran (those of a fit without the ledger too), and an
+    # interrupted fit and a resumed ledger charge them.
     path = str(tmp_path / 'ledger.json')
     with tiny_models.dtype_policy(policy):
         dp = _dp_model()
@@ -499,30 +429,19 @@ def test_reduced_precision_steps_are_charged(tmp_path, policy):
             dp.fit(_data(steps=5), callbacks=[_FailingCallback(3), ledger],
                    verbose=0)
         assert PrivacyLedger(EVENT, DELTA, state_path=path).steps >= 3
-        step = tf.function(dp.train_step)
-        for batch in _data(steps=2, seed=3):
-            step(batch)
+        dp.fit(_data(steps=2, seed=3), verbose=0)
         resumed = PrivacyLedger.for_model(dp, delta=DELTA, state_path=path,
                                           save_every_steps=1, verbose=0)
         dp.fit(_data(steps=2, seed=4), callbacks=[resumed], verbose=0)
     ran = 3 + 2 + 2
     assert int(dp.steps_taken) == ran
+    words = step_record.event_words(resumed.budget.event_key)
+    assert privacy_record.read(dp) == step_record.extend(step_record.EMPTY,
+                                                         words, ran)
     # The crash may leave one write-ahead step charged that never ran
     # (save_every_steps=1): never fewer than ran, at most one more.
     assert ran <= resumed.steps <= ran + 1
     assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == resumed.steps
-
-
-def test_custom_loop_steps_between_fits_are_charged():
-    dp = _dp_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA,
-                                     verbose=0)
-    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
-    step = tf.function(dp.train_step)
-    for batch in _data(steps=3, seed=3):
-        step(batch)
-    dp.fit(_data(steps=2, seed=4), callbacks=[ledger], verbose=0)
-    assert ledger.steps == int(dp.optimizer.iterations) == 7
 
 
 def test_a_custom_loop_is_told_that_its_input_is_not_checked(caplog):
@@ -531,10 +450,9 @@ def test_a_custom_loop_is_told_that_its_input_is_not_checked(caplog):
     dp = _dp_model()
     ledger = PrivacyLedger.for_model(dp, delta=DELTA)
     caplog.set_level(logging.WARNING)
-    step = tf.function(dp.train_step)
     for batch in _data(steps=2):
         ledger.reserve_steps(1)
-        step(batch)
+        dp.train_step(batch)
         ledger.record_steps(1)
     told = [r for r in caplog.records if 'custom loop' in r.getMessage()]
     assert len(told) == 1
@@ -550,9 +468,14 @@ def test_logical_batches_check_a_custom_loops_input_and_charge_its_steps(
     step = tf.function(dp.train_step)
     for batch in ledger.logical_batches(_data(steps=5)):
         step(batch)
+        assert ledger.epsilon > 0  # A progress display: charges nothing.
     # Stopped before the step max_steps would exceed; the input was
-    # checked, so the loop is not told otherwise.
+    # checked, so the loop is not told otherwise. The compiled step wrote
+    # the record.
     assert ledger.steps == int(dp.steps_taken) == 3
+    words = step_record.event_words(ledger.budget.event_key)
+    assert privacy_record.read(dp) == step_record.extend(step_record.EMPTY,
+                                                         words, 3)
     assert not [r for r in caplog.records if 'custom loop' in r.getMessage()]
     shuffled = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(64).batch(16)
     with pytest.raises(ValueError, match='not recognised as'):
@@ -577,20 +500,6 @@ def test_logical_batches_refuse_a_model_on_several_replicas(monkeypatch):
     with pytest.raises(ValueError, match='2 replicas.*fit'):
         next(iter(ledger.logical_batches(_data())))
     assert ledger.steps == 0
-
-
-def test_a_new_ledger_charges_steps_another_charged_before_a_recompile():
-    # The recompile's fresh optimizer starts its step count at 0; the
-    # weights' record still names the first ledger's 3 steps.
-    dp = _dp_model()
-    first = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=3), callbacks=[first], verbose=0)
-    dp.compile(optimizer=tf.keras.optimizers.SGD(0.01),
-               loss=tf.keras.losses.MeanSquaredError())
-    second = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=2, seed=2), callbacks=[second], verbose=0)
-    # The first ledger, still holding the model, counts the steps too.
-    assert second.steps == first.steps == 5
 
 
 def test_ledger_alone_checks_a_dp_model():
@@ -645,35 +554,6 @@ def test_for_model_with_a_basis_accounts_every_block(tmp_path):
                                             rel=1e-12)
 
 
-@markers.needs_tf_privacy_optimizers
-def test_recompiling_back_to_an_earlier_dp_optimizer_is_not_refused():
-    first = optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        CONFIG, learning_rate=0.1, seed=0)
-    second = optimizers.TwiceSamplingDPKerasSGDOptimizer(
-        CONFIG, learning_rate=0.05, seed=1)
-    dp = DPModel(_model(), physical_batch_size=8)
-    dp.compile(optimizer=first, loss=tf.keras.losses.MeanSquaredError())
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=3), callbacks=[ledger], verbose=0)
-    dp.compile(optimizer=second, loss=tf.keras.losses.MeanSquaredError())
-    dp.fit(_data(steps=2, seed=2), callbacks=[ledger], verbose=0)
-    dp.compile(optimizer=first, loss=tf.keras.losses.MeanSquaredError())
-    # The ledger charged all 5 steps; the check sees 3 + 2 + 3 = 8.
-    dp.fit(_data(steps=2, seed=3), callbacks=[ledger], verbose=0)
-    assert ledger.steps == 7
-
-
-def test_a_new_ledger_in_a_custom_loop_charges_steps_another_charged():
-    dp = _dp_model()
-    first = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=3), callbacks=[first], verbose=0)
-    second = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    for batch in _data(steps=2, seed=2):
-        second.reserve_steps(1)
-        dp.train_step(batch)
-        second.record_steps(1)
-    assert second.steps == 3 + 2  # The weights' 5.
-
 class _RollBack(tf.keras.callbacks.Callback):
     """Undoes every other step (a "keep the step if a public check passes"
     schedule), before the ledger's own hook runs when listed first."""
@@ -693,18 +573,17 @@ class _RollBack(tf.keras.callbacks.Callback):
             self.model.save_weights(self._path)
 
 
-@pytest.mark.parametrize('ledger_first', [False, True])
-def test_steps_undone_by_a_callback_are_charged(tmp_path, ledger_first):
+def test_steps_undone_by_a_callback_are_charged(tmp_path):
     # The released weights depend on every undone step (whether it was
     # kept is a function of its noisy update): each one is charged, in any
-    # callback order (the record is read right after each execution).
+    # callback order (the record is read right after each execution), by a
+    # ledger before the rollback and one after it.
     dp = _dp_model()
     dp(X[:1])
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     other = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
     undo = _RollBack(str(tmp_path / 'kept.weights.h5'))
-    dp.fit(_data(steps=6), verbose=0, callbacks=(
-        [ledger, undo, other] if ledger_first else [undo, ledger, other]))
+    dp.fit(_data(steps=6), verbose=0, callbacks=[ledger, undo, other])
     assert undo.ran == 6 and int(dp.steps_taken) == 3
     assert ledger.steps == other.steps == 6  # Two ledgers watch alike.
 
@@ -725,61 +604,3 @@ def test_a_step_whose_hooks_an_exception_cut_off_is_charged_on_restore(
         tf.keras.callbacks.BackupAndRestore(backup), ledger])
     # Epoch 2 again from the backup of step 4: 4 more steps on the branch.
     assert int(dp.steps_taken) == 8 and ledger.steps == 6 + 4
-
-
-def test_a_reading_inside_a_custom_loop_does_not_charge_a_step_twice():
-    dp = _dp_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    step = tf.function(dp.train_step)
-    for batch in ledger.logical_batches(_data(steps=3)):
-        step(batch)
-        assert ledger.epsilon > 0  # A progress display.
-    assert ledger.steps == int(dp.steps_taken) == 3
-
-
-def test_steps_a_fit_opted_in_on_unchecked_input_are_not_accepted_later():
-    # allow_non_poisson_input: the fit's ledger charges them (its epsilon
-    # does not hold, as the fit warns); the weights record them as on
-    # unchecked input, so no later ledger accepts them.
-    dp = _dp_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    shuffled = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).take(2)
-    with pytest.warns(UserWarning, match='DOES NOT HOLD'):
-        dp.fit(shuffled, callbacks=[ledger], verbose=0,
-               allow_non_poisson_input=True)
-    assert ledger.steps == int(dp.steps_taken) == 2
-    later = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    with pytest.raises(ValueError, match='cannot account'):
-        dp.fit(_data(steps=1), callbacks=[later], verbose=0)
-
-
-def test_a_fit_an_exception_ended_leaves_no_ledger_in_the_train_function():
-    # Keras calls no on_train_end then: DPModel.fit releases the train
-    # function itself, so a later fit without the ledger runs without it
-    # (here on unchecked input, which that ledger would have refused).
-    dp = _dp_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    with pytest.raises(OSError, match='disk full'):
-        dp.fit(_data(steps=3), callbacks=[_FailingCallback(2), ledger],
-               verbose=0)
-    assert dp.train_function.__name__ != 'watched_train_function'
-    unchecked = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).take(1)
-    with pytest.warns(UserWarning, match='not Poisson-sampled'):
-        dp.fit(unchecked, verbose=0)
-    assert ledger.budget.steps == 2 and int(dp.steps_taken) == 3
-
-
-def test_a_refused_opt_in_fit_leaves_no_opt_in_behind():
-    # The fit opted in to unchecked input is refused before any step (a
-    # class weight outside [0, 1]): its ledger must not go on accepting
-    # unchecked steps, e.g. those of a later fit without it.
-    dp = _dp_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA, verbose=0)
-    dp.fit(_data(steps=2), callbacks=[ledger], verbose=0)
-    shuffled = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16).take(2)
-    with pytest.raises(ValueError, match='class_weight'):
-        dp.fit(shuffled, callbacks=[ledger], verbose=0,
-               allow_non_poisson_input=True, class_weight={0: 2.0})
-    with pytest.warns(UserWarning, match='not Poisson-sampled'):
-        dp.fit(shuffled, verbose=0)
-    assert ledger.steps == 2 and int(dp.steps_taken) == 4
