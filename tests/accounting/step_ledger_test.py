@@ -2,8 +2,10 @@
 budget through readings, watches, custom loops and stops.
 
 The weights here are a name and a record that steps extend, as a DPModel's
-train step does (`privacy_record_test` checks that it does); the Keras
-ledger's tests check that its hooks read the record where these readings do.
+train step does (tests/keras/ledger_state_attack_test.py checks that every
+route that trains writes it); the Keras ledger's tests check that its hooks
+read the record where these readings do. The scenarios of the Keras
+ledger's end-to-end tests are here, as records, below the rule's own tests.
 """
 
 import json

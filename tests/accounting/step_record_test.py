@@ -2,8 +2,9 @@
 
 TF-free: the scenarios of the ledger's end-to-end tests (resume, stale and
 foreign state files, rollbacks, other mechanisms, unchecked input, weights
-set by arithmetic) as histories of words; `privacy_record_test` checks that
-the train step writes the same arithmetic.
+set by arithmetic) as histories of words;
+tests/keras/ledger_state_attack_test.py checks that the train step writes
+the same arithmetic.
 """
 
 import pytest
