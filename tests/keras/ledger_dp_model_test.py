@@ -444,23 +444,7 @@ def test_reduced_precision_steps_are_charged(tmp_path, policy):
     assert PrivacyLedger(EVENT, DELTA, state_path=path).steps == resumed.steps
 
 
-def test_a_custom_loop_is_told_that_its_input_is_not_checked(caplog):
-    # The ledger cannot see what a custom loop feeds train_step (fit checks
-    # its input is Poisson-sampled): it says so, once per model.
-    dp = _dp_model()
-    ledger = PrivacyLedger.for_model(dp, delta=DELTA)
-    caplog.set_level(logging.WARNING)
-    for batch in _data(steps=2):
-        ledger.reserve_steps(1)
-        dp.train_step(batch)
-        ledger.record_steps(1)
-    told = [r for r in caplog.records if 'custom loop' in r.getMessage()]
-    assert len(told) == 1
-    assert 'poisson_batches' in told[0].getMessage()
-    assert ledger.steps == 2
-
-
-def test_logical_batches_check_a_custom_loops_input_and_charge_its_steps(
+def test_custom_loops_charge_their_steps_and_are_told_if_input_is_unchecked(
         caplog):
     dp = _dp_model()
     ledger = PrivacyLedger.for_model(dp, delta=DELTA, max_steps=3)
@@ -487,6 +471,17 @@ def test_logical_batches_check_a_custom_loops_input_and_charge_its_steps(
         next(iter(ledger.logical_batches(other_rate)))
     with pytest.raises(ValueError, match='for_model'):
         next(iter(PrivacyLedger(EVENT, DELTA).logical_batches(_data())))
+    # A loop of its own: the ledger cannot see what it feeds train_step
+    # (fit checks its input is Poisson-sampled), and says so, once.
+    loop = PrivacyLedger.for_model(dp, delta=DELTA)
+    for batch in _data(steps=2, seed=2):
+        loop.reserve_steps(1)
+        dp.train_step(batch)
+        loop.record_steps(1)
+    told = [r for r in caplog.records if 'custom loop' in r.getMessage()]
+    assert len(told) == 1
+    assert 'poisson_batches' in told[0].getMessage()
+    assert loop.steps == 3 + 2  # The weights' earlier steps too.
 
 
 def test_logical_batches_refuse_a_model_on_several_replicas(monkeypatch):
