@@ -9,7 +9,9 @@ norms. Example (a CIFAR-10 sized run):
       --coordinate_sampling_rate=0.5 --l2_norm_clip=1.0 --linf_norm_clip=0.1
 
 Several hybrid-clipping blocks: give comma-separated lists of equal length
-for --noise_multiplier, --l2_norm_clip and --linf_norm_clip.
+for --noise_multiplier, --l2_norm_clip and --linf_norm_clip, and for
+--coordinate_sampling_rate one rate per block (hybrid clipping's principal
+blocks keep every coordinate by default: rate 1, then the residual's q2).
 """
 
 from absl import app
@@ -27,9 +29,9 @@ _EPOCHS = flags.DEFINE_float('epochs', None, 'Number of epochs (may be '
                              'fractional); steps = ceil(epochs * N / '
                              'batch_size).')
 _DELTA = flags.DEFINE_float('delta', 1e-5, 'Target delta.')
-_COORDINATE_SAMPLING_RATE = flags.DEFINE_float(
-    'coordinate_sampling_rate', 1.0, 'q2: probability of keeping each '
-    'coordinate of each sampled example.')
+_COORDINATE_SAMPLING_RATE = flags.DEFINE_list(
+    'coordinate_sampling_rate', ['1.0'], 'q2: probability of keeping each '
+    'coordinate of each sampled example: one, or one per block.')
 _L2_NORM_CLIP = flags.DEFINE_list('l2_norm_clip', ['1.0'],
                                   'l2 clip norm(s): one, or one per block.')
 _LINF_NORM_CLIP = flags.DEFINE_list(
@@ -71,7 +73,8 @@ def main(argv):
             noise_multiplier=_numbers('noise_multiplier',
                                       _NOISE_MULTIPLIER.value),
             delta=_DELTA.value,
-            coordinate_sampling_rate=_COORDINATE_SAMPLING_RATE.value,
+            coordinate_sampling_rate=_numbers(
+                'coordinate_sampling_rate', _COORDINATE_SAMPLING_RATE.value),
             l2_norm_clip=_numbers('l2_norm_clip', _L2_NORM_CLIP.value),
             linf_norm_clip=_numbers('linf_norm_clip', _LINF_NORM_CLIP.value,
                                     allow_none=True),

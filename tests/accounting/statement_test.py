@@ -286,6 +286,21 @@ def test_command_line():
     assert bad.returncode != 0
     assert 'coordinate_sampling_rate must be in (0, 1]' in bad.stderr
     assert math.isfinite(eps)
+    # Hybrid clipping's default: an unmasked principal block beside the
+    # residual at q2; one rate for both would understate epsilon.
+    hybrid = subprocess.run(
+        [sys.executable, '-m', 'tf_twice.compute_privacy', '--N=60000',
+         '--batch_size=2048', '--noise_multiplier=3,1.34', '--epochs=80',
+         '--coordinate_sampling_rate=1,0.5', '--l2_norm_clip=0.6,0.8',
+         '--linf_norm_clip=0.6,0.08'],
+        capture_output=True, text=True, timeout=300, check=True)
+    eps, _ = compute_twice_sampling_privacy(
+        60000, 2048, (3.0, 1.34), 80, 1e-5, (1.0, 0.5), (0.6, 0.8),
+        (0.6, 0.08))
+    masked, _ = compute_twice_sampling_privacy(
+        60000, 2048, (3.0, 1.34), 80, 1e-5, 0.5, (0.6, 0.8), (0.6, 0.08))
+    assert _numbers_after('Epsilon with twice sampling:',
+                          hybrid.stdout) == round(eps, 3) > masked
 
 
 def test_multi_block_statement_compares_total_noise_variance():
