@@ -98,31 +98,39 @@ _SIZES = [0.6, 1 / math.sqrt(2), 1 / math.sqrt(2)]
 def test_the_integration_gives_the_accountants_per_block_rates():
     # Given the example is sampled, the blocks' masks are independent: the
     # inner likelihood ratio is a product over every block's coordinates.
-    for z, q1, q2, alpha in itertools.product([1.0, 2.0], [0.05, 0.5],
-                                              [0.25, 0.5], [2, 8]):
+    for zs, q1, q2, alpha in itertools.product(
+            [(1.0, 1.0), (2.0, 2.0), (15.0, 2.0)], [0.05, 0.5, 0.9],
+            [0.25, 0.5], [2, 8]):
         got = _add_direction(alpha, q1, [1.0, q2, q2],
-                             [z * 0.6, z, z], _SIZES, 60, power=alpha)
+                             [zs[0] * 0.6, zs[1], zs[1]], _SIZES, 60,
+                             power=alpha)
         want = float(twice_sampling_rdp(
             [alpha], example_sampling_rate=q1,
-            coordinate_sampling_rate=[1.0, q2], noise_multiplier=z,
+            coordinate_sampling_rate=[1.0, q2], noise_multiplier=list(zs),
             **_BLOCKS)[0])
-        assert got == pytest.approx(want, rel=1e-6), (z, q1, q2, alpha)
+        assert got == pytest.approx(want, rel=1e-6), (zs, q1, q2, alpha)
 
 
-@pytest.mark.parametrize('z, q1', itertools.product([1.0, 2.0], [0.05, 0.5]))
-def test_add_direction_stays_below_the_accountant_with_per_block_rates(z, q1):
+# Noise multipliers per block, equal and unequal (a planner may give the
+# principal block far more noise than the residual, or less), and q1 up to
+# 0.9, where the add direction comes closest to the remove direction.
+@pytest.mark.parametrize('zs, q1', itertools.product(
+    [(1.0, 1.0), (2.0, 2.0), (15.0, 2.0), (1.0, 4.0)], [0.05, 0.5, 0.9]))
+def test_add_direction_stays_below_the_accountant_with_per_block_rates(
+        zs, q1):
+    z_principal, z_residual = zs
+    sigmas = [z_principal * 0.6, z_residual, z_residual]
     worst = 0.0
     for q2, alpha in itertools.product([0.25, 0.5], [2, 8, 32]):
         remove = float(twice_sampling_rdp(
             [alpha], example_sampling_rate=q1,
-            coordinate_sampling_rate=[1.0, q2], noise_multiplier=z,
+            coordinate_sampling_rate=[1.0, q2], noise_multiplier=list(zs),
             **_BLOCKS)[0])
         # The principal block's clip on its coordinate; the residual's on
         # two coordinates at c_inf (the fewest the clip allows) or spread
         # thin (the limit: one coordinate shifted by q2 c2, unmasked).
-        adds = [_add_direction(alpha, q1, [1.0, q2, q2], [z * 0.6, z, z],
-                               _SIZES, 60),
-                _add_direction(alpha, q1, [1.0, 1.0], [z * 0.6, z],
+        adds = [_add_direction(alpha, q1, [1.0, q2, q2], sigmas, _SIZES, 60),
+                _add_direction(alpha, q1, [1.0, 1.0], sigmas[:2],
                                [0.6, q2 * 1.0], 120)]
         worst = max(worst, max(adds) / remove)
     assert worst <= 1.0, worst
