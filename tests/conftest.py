@@ -21,19 +21,27 @@ def pytest_collection_modifyitems(config, items):
     """Deselects, for CI's environments that do not need them:
 
     * with TF_TWICE_TF_FREE_TESTS=skip, the modules marked ``pytestmark =
-      pytest.mark.tf_free``: they import no TensorFlow (tests/tf_free_test.py
-      checks), so their results do not depend on the stack; CI runs them in
-      the oldest environment only;
+      pytest.mark.tf_free``: they import no TensorFlow
+      (tests/stack_markers_test.py checks), so their results do not depend
+      on the stack; CI runs them in the oldest environment only;
     * with TF_TWICE_SCRIPT_TESTS=skip, the tests of the example scripts
       (tests/examples/): real training runs whose own logic is host-side;
       CI runs them under Keras 2 (the oldest environment) and Keras 3, and
-      the library they drive is tested in every environment.
+      the library they drive is tested in every environment;
+    * with TF_TWICE_KERAS_FREE_TESTS=skip, the modules marked ``pytestmark
+      = pytest.mark.keras_free``: they build and call no Keras object (the
+      kernels, the random streams, the samplers; tests/stack_markers_test.py
+      checks their sources), so their results depend on TensorFlow alone;
+      CI skips them in the environment whose TensorFlow another one
+      already tests with the other Keras.
 
     .ci/run sets the variables."""
     rules = [(os.environ.get('TF_TWICE_TF_FREE_TESTS') == 'skip',
               lambda item: item.get_closest_marker('tf_free')),
              (os.environ.get('TF_TWICE_SCRIPT_TESTS') == 'skip',
-              _is_script_test)]
+              _is_script_test),
+             (os.environ.get('TF_TWICE_KERAS_FREE_TESTS') == 'skip',
+              lambda item: item.get_closest_marker('keras_free'))]
     for active, deselect in rules:
         skipped = [item for item in items if active and deselect(item)]
         if skipped:

@@ -15,6 +15,8 @@ import pytest
 
 from tf_twice import datasets
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 _TYPE_CODES = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B,
                np.int32: 0x0C, np.float32: 0x0D, np.float64: 0x0E}
 

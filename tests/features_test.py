@@ -19,6 +19,8 @@ pytest.importorskip('kymatio')
 from tests.paths import ROOT  # pylint: disable=wrong-import-position
 from tf_twice import features  # pylint: disable=wrong-import-position
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 SIZE = 16
 L = 4
 K_J2 = 1 + 2 * L + L**2  # Orders 0, 1 and 2 with J = 2: 25 coefficients.

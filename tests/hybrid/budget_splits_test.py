@@ -8,6 +8,8 @@ from scipy import optimize
 
 from tf_twice.hybrid import budget_splits as splits
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 
 def test_split_l2_budget():
     split = splits.split_l2_budget(2.5, [3.0, 1.0, 2.0])

@@ -16,6 +16,8 @@ from tf_twice.hybrid import budget_splits as splits
 from tf_twice.hybrid import budgets
 from tf_twice.hybrid import learning
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 D = 60
 
 

@@ -9,6 +9,8 @@ from tests import reference
 from tf_twice.hybrid import diagnostics
 from tf_twice.hybrid import learning
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 SHAPES = [(4, 5), (30,), (10, 10), (5, 14)]  # d = 220
 GROUPS = [[0, 2], [1, 3]]
 D = 220

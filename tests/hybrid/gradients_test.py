@@ -10,6 +10,8 @@ from tf_twice.hybrid import diagnostics
 from tf_twice.hybrid import gradients as gradients_lib
 from tf_twice.hybrid import learning
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 SHAPES = [(2, 3), (4,), (1, 2, 2)]  # d = 6 + 4 + 4 = 14
 D = 14
 

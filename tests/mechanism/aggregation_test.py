@@ -14,6 +14,8 @@ from tf_twice.config import Block, TwiceSamplingConfig
 from tf_twice.mechanism import aggregation as agg
 from tf_twice.mechanism import randomness
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 SHAPES = [(3, 2), (5,), (1, 4, 3)]
 
 

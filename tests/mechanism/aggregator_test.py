@@ -15,6 +15,8 @@ from tf_twice import config as config_lib
 from tf_twice.mechanism import aggregator as aggregator_lib
 from tf_twice.mechanism import randomness
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 CHUNK = 64
 
 

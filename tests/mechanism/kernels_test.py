@@ -12,6 +12,8 @@ from tf_twice.mechanism import outer_products
 from tf_twice.mechanism import precision
 from tf_twice.mechanism import randomness
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 
 # 1, 7 and 9 rows pad the last slice with zero rows; 8 and 64 fill the 8
 # slices exactly.

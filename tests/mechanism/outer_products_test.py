@@ -10,6 +10,8 @@ from tf_twice.mechanism import aggregation as agg
 from tf_twice.mechanism import outer_products
 from tf_twice.mechanism import randomness
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 M, N = 7, 5
 
 

@@ -10,6 +10,8 @@ import tensorflow as tf
 from tf_twice import config as config_lib
 from tf_twice.mechanism import randomness
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 
 def _reference_masks(words, d, q2):
     """Coordinate c of a row reads bits c * b .. (c + 1) * b - 1 of the

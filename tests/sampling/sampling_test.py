@@ -8,6 +8,8 @@ import tensorflow as tf
 
 from tf_twice import sampling
 
+pytestmark = pytest.mark.keras_free  # Once per TensorFlow (conftest).
+
 
 def _index_matrix(n, q1, steps, seed, physical_batch_size=8):
     """[steps, n] 0/1 inclusion matrix read back from the dataset."""
@@ -163,7 +165,7 @@ def test_reproducible_from_seed_and_fresh_on_reiteration():
     first = _batches(ds)
     assert first == _batches(make(5))
     assert first != _batches(make(6))
-    # A second pass (e.g. Keras' next epoch) continues with fresh steps.
+    # A second pass (e.g. the next epoch of fit) continues with fresh steps.
     second = _batches(ds)
     assert second != first
     assert second == _batches(make(5, start_step=6))
