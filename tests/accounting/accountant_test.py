@@ -136,6 +136,10 @@ def test_per_block_rates_compose_and_reduce_to_one_rate():
     # Keeping the first block unmasked adds to the RDP; masking it less
     # cannot lower it.
     assert (_one_step(event) > _one_step(_event(**one_rate))).all()
+    # The event's record of its blocks carries the rates, one per block.
+    assert event.blocks().coordinate_sampling_rates == (1.0, 0.5)
+    assert _event(**one_rate).blocks().coordinate_sampling_rates == (0.5,
+                                                                     0.5)
 
 
 def test_epsilon_uses_dp_accountings_conversion():

@@ -249,8 +249,8 @@ def test_noise_gradient_matches_high_precision_derivative(order, q1, q2,
                                                           blocks):
     z, c2, cinf, dims = zip(*blocks)
     parsed = blocks_lib.Blocks.from_arguments(
-        z, c2, cinf, _library_dimensions(dims))
-    value, gradient = rdp_lib.rdp_and_noise_gradient(order, q1, q2, parsed)
+        z, c2, cinf, _library_dimensions(dims), q2)
+    value, gradient = rdp_lib.rdp_and_noise_gradient(order, q1, parsed)
 
     def reference_at(j):
         def rdp_of_log_z(u):
@@ -305,8 +305,8 @@ def test_optimised_noise_meets_the_budget_with_a_wrong_constraint_model(
     # its optimum breaks the budget, and the answer must still meet it.
     true_function = rdp_lib.rdp_and_noise_gradient
 
-    def halved(order, q1, q2, blocks):
-        value, gradient = true_function(order, q1, q2, blocks)
+    def halved(order, q1, blocks):
+        value, gradient = true_function(order, q1, blocks)
         return 0.5 * value, 0.5 * gradient
 
     monkeypatch.setattr(rdp_lib, 'rdp_and_noise_gradient', halved)

@@ -107,9 +107,12 @@ def test_calibration_follows_an_optimal_order_beyond_the_leading_ones():
 
 @pytest.mark.parametrize('z', [0.3, 1.0, 5.0, 30.0])
 def test_leading_orders_bound_all_orders(z):
+    setting = dict(SETTING)
+    blocks = blocks_lib.Blocks.from_arguments(
+        z, 1.0, 0.1,
+        coordinate_sampling_rate=setting.pop('coordinate_sampling_rate'))
     function = calibration.checked_epsilon_function(
-        orders=None, conversion='dp_accounting', **SETTING)
-    blocks = blocks_lib.Blocks.from_arguments(z, 1.0, 0.1)
+        orders=None, conversion='dp_accounting', **setting)
     eps, order = function.epsilon_and_optimal_order(blocks)
     leading, leading_order = function.leading_epsilon_and_optimal_order(
         blocks)

@@ -383,7 +383,7 @@ GRADIENT_SETTINGS = [
 @pytest.mark.parametrize('order,q1,q2,z,c2,cinf,dims', GRADIENT_SETTINGS)
 def test_noise_gradient_matches_finite_differences(order, q1, q2, z, c2,
                                                    cinf, dims):
-    blocks = blocks_lib.Blocks.from_arguments(z, c2, cinf, dims)
+    blocks = blocks_lib.Blocks.from_arguments(z, c2, cinf, dims, q2)
 
     def rdp_with(noise_multipliers):
         return twice_sampling_rdp(
@@ -396,7 +396,7 @@ def test_noise_gradient_matches_finite_differences(order, q1, q2, z, c2,
     def rdp_at(log_z):
         return rdp_with(np.exp(log_z))
 
-    value, gradient = rdp_lib.rdp_and_noise_gradient(order, q1, q2, blocks)
+    value, gradient = rdp_lib.rdp_and_noise_gradient(order, q1, blocks)
     # At z itself: exp(log(z)) may differ from z in the last bit.
     assert value == rdp_with(np.asarray(blocks.noise_multipliers))
     log_z = np.log(blocks.noise_multipliers)
@@ -431,10 +431,12 @@ def test_many_blocks_are_the_sum_of_single_blocks():
     z = np.linspace(0.5, 3.0, 7)
     c2 = np.linspace(0.3, 2.0, 7)
     cinf = c2 / np.sqrt(np.linspace(1.5, 40.5, 7))
-    blocks = blocks_lib.Blocks.from_arguments(z, c2, cinf)
-    together = rdp_lib.log_moments_of_coordinate_sampling(300, 0.4, blocks)
+    blocks = blocks_lib.Blocks.from_arguments(z, c2, cinf,
+                                              coordinate_sampling_rate=0.4)
+    together = rdp_lib.log_moments_of_coordinate_sampling(300, blocks)
     apart = sum(rdp_lib.log_moments_of_coordinate_sampling(
-        300, 0.4, blocks_lib.Blocks.from_arguments(z[j], c2[j], cinf[j]))
+        300, blocks_lib.Blocks.from_arguments(
+            z[j], c2[j], cinf[j], coordinate_sampling_rate=0.4))
                 for j in range(7))
     np.testing.assert_allclose(together, apart, rtol=1e-13, atol=0)
 

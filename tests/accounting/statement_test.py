@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tf_twice.accounting import compute_twice_sampling_privacy
@@ -377,6 +378,18 @@ def test_a_statement_with_per_block_rates_lists_them_and_scales_the_comparison()
     assert compute_twice_sampling_privacy_statement(
         *args, [0.5, 0.5], **kwargs) == compute_twice_sampling_privacy_statement(
             *args, 0.5, **kwargs).replace('q2 = 0.5', 'q2 = (0.5, 0.5)')
+
+
+def test_a_statement_takes_numpy_per_block_arguments():
+    args = (60_000, 256, 5)
+    kwargs = dict(delta=1e-5, l2_norm_clip=[0.5, 1.0],
+                  block_dimensions=[8, 10_000])
+    assert compute_twice_sampling_privacy_statement(
+        *args, noise_multiplier=np.array([1.0, 1.1]),
+        coordinate_sampling_rate=np.array([1.0, 0.5]), **kwargs) == (
+            compute_twice_sampling_privacy_statement(
+                *args, noise_multiplier=[1.0, 1.1],
+                coordinate_sampling_rate=[1.0, 0.5], **kwargs))
 
 
 def test_the_one_rate_noise_ratio_refuses_per_block_rates_by_name():

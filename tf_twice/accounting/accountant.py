@@ -65,6 +65,5 @@ class TwiceSamplingRdpAccountant(rdp_privacy_accountant.RdpAccountant):
     def _event_rdp(self, event) -> np.ndarray:
         if event not in self._rdp_cache:
             self._rdp_cache[event] = rdp_lib.rdp_of_blocks(
-                self._orders, event.example_sampling_rate,
-                event.coordinate_sampling_rate, event.blocks())
+                self._orders, event.example_sampling_rate, event.blocks())
         return self._rdp_cache[event]

@@ -1,11 +1,12 @@
 """Validated per-block parameters shared by every accounting entry point.
 
 A hybrid-clipping step has m blocks; block j has noise multiplier z_j, l2 clip
-c2_j, l-infinity clip c_inf_j and (optionally) its number of coordinates r_j.
-Each public function accepts scalars (one block) or equal-length sequences and
-normalises them here, so the per-block validation and its error messages live
-in one place; the generic checks (positive, rate, integer) are
-``tf_twice._validate``'s.
+c2_j, l-infinity clip c_inf_j, coordinate sampling rate q2_j and (optionally)
+its number of coordinates r_j. Each public function accepts scalars (one
+block) or equal-length sequences and normalises them here into one `Blocks`
+record, which every accounting computation takes alone, so the per-block
+validation and its error messages live in one place; the generic checks
+(positive, rate, integer) are ``tf_twice._validate``'s.
 """
 
 from __future__ import annotations
@@ -19,34 +20,19 @@ from tf_twice import _validate
 
 ScalarOrBlocks = Union[float, Sequence[float]]
 OptionalScalarOrBlocks = Union[None, float, Sequence[Optional[float]]]
-# q2 for every block, or one rate per block: checked, a float or a tuple.
-CoordinateRates = Union[float, Tuple[float, ...]]
 
 
 def check_coordinate_rates(
-        value: Union[float, Sequence[float]],
-        name: str = 'coordinate_sampling_rate') -> CoordinateRates:
-    """q2 in (0, 1] for every block, or a sequence of one q2_j per block
-    (returned as a tuple); `per_block_rates` matches it to the blocks."""
+        value: ScalarOrBlocks) -> Union[float, Tuple[float, ...]]:
+    """q2 in (0, 1] for every block (a float), or a sequence of one q2_j
+    per block (returned as a tuple)."""
+    name = 'coordinate_sampling_rate'
     if hasattr(value, 'tolist'):  # numpy arrays and scalars.
         value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         return _validate.rate(name, value)
     return tuple(_validate.rate(f'{name}[{j}]', q)
                  for j, q in enumerate(_as_tuple(name, value)))
-
-
-def per_block_rates(rates: CoordinateRates, size: int,
-                    name: str = 'coordinate_sampling_rate'
-                    ) -> Tuple[float, ...]:
-    """Checked `rates` as one rate per block of `size` blocks."""
-    if not isinstance(rates, tuple):
-        return (rates,) * size
-    if len(rates) != size:
-        raise ValueError(
-            f'{name} must be one rate for every block or one per block '
-            f'({size}); got {len(rates)} rates.')
-    return rates
 
 
 def _as_tuple(name: str, value, allow_none: bool = False) -> Tuple:
@@ -75,11 +61,14 @@ class Blocks:
       linf_norm_clips: c_inf_j > 0, capped at c2_j (a larger l-infinity clip
         has no effect after l2 clipping).
       dimensions: r_j (number of coordinates) or None when unknown.
+      coordinate_sampling_rates: q2_j in (0, 1], the keep rate of block
+        j's coordinates.
     """
     noise_multipliers: Tuple[float, ...]
     l2_norm_clips: Tuple[float, ...]
     linf_norm_clips: Tuple[float, ...]
     dimensions: Optional[Tuple[int, ...]]
+    coordinate_sampling_rates: Tuple[float, ...]
 
     @property
     def size(self) -> int:
@@ -92,6 +81,7 @@ class Blocks:
         l2_norm_clip: ScalarOrBlocks,
         linf_norm_clip: OptionalScalarOrBlocks,
         block_dimensions: Optional[Union[int, Sequence[int]]] = None,
+        coordinate_sampling_rate: ScalarOrBlocks = 1.0,
         noise_multiplier_name: str = 'noise_multiplier',
         l2_norm_clip_name: str = 'l2_norm_clip',
         linf_norm_clip_name: str = 'linf_norm_clip',
@@ -102,7 +92,11 @@ class Blocks:
         A scalar is broadcast to the number of blocks given by the longest
         sequence argument; sequences must all have that length.
         `linf_norm_clip=None` (or a None entry) means no l-infinity clipping.
+        The rates are one for every block or one per block; they do not
+        set the number of blocks (a rate tuple for a scalar noise is refused,
+        not read as several blocks).
         """
+        rates = check_coordinate_rates(coordinate_sampling_rate)
         named = [
             (noise_multiplier_name, _as_tuple(noise_multiplier_name,
                                               noise_multiplier)),
@@ -142,7 +136,18 @@ class Blocks:
             dims = tuple(
                 _validate.integer(f'{block_dimensions_name}[{j}]', r, 1)
                 for j, r in enumerate(broadcast[block_dimensions_name]))
-        return cls(noise, l2, tuple(linf), dims)
+        if not isinstance(rates, tuple):
+            rates = (rates,) * size
+        elif len(rates) != size:
+            raise ValueError(
+                f'coordinate_sampling_rate must be one rate for every block '
+                f'or one per block ({size}); got {len(rates)} rates.')
+        return cls(noise, l2, tuple(linf), dims, rates)
+
+    def with_noise_multipliers(self, noise_multipliers) -> 'Blocks':
+        """These blocks with other (valid) z_j: a noise search's step."""
+        return attr.evolve(self, noise_multipliers=tuple(
+            float(z) for z in noise_multipliers))
 
     def effective_noise_multiplier(self) -> float:
         """z_eff with 1/z_eff^2 = sum_j 1/z_j^2 (the q2 = 1 equivalent)."""

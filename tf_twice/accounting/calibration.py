@@ -42,15 +42,12 @@ class EpsilonOfBlocks:
     """
 
     def __init__(self, *, steps: int, delta: float,
-                 example_sampling_rate: float,
-                 coordinate_sampling_rate: blocks_lib.CoordinateRates,
-                 orders: np.ndarray,
+                 example_sampling_rate: float, orders: np.ndarray,
                  conversion: conversion_lib.Conversion):
         """All arguments already validated."""
         self._steps = steps
         self._delta = delta
         self._q1 = example_sampling_rate
-        self._q2 = coordinate_sampling_rate
         self._orders = orders
         self._conversion = conversion
         self._ceilings = rdp_lib.integer_order_ceilings(orders).astype(
@@ -70,7 +67,7 @@ class EpsilonOfBlocks:
                               self.epsilon_and_optimal_order(blocks,
                                                              self._orders))
             return self._last[1]
-        rdp = rdp_lib.rdp_of_blocks(orders, self._q1, self._q2, blocks)
+        rdp = rdp_lib.rdp_of_blocks(orders, self._q1, blocks)
         return conversion_lib.rdp_to_epsilon(orders, self._steps * rdp,
                                              self._delta, self._conversion)
 
@@ -95,8 +92,7 @@ class EpsilonOfBlocks:
     def rdp_and_noise_gradient(self, order: int, blocks: blocks_lib.Blocks
                                ) -> Tuple[float, np.ndarray]:
         """One-step RDP at an integer order and its gradient in log z_j."""
-        return rdp_lib.rdp_and_noise_gradient(order, self._q1, self._q2,
-                                              blocks)
+        return rdp_lib.rdp_and_noise_gradient(order, self._q1, blocks)
 
     def leading_epsilon_and_optimal_order(
             self, blocks: blocks_lib.Blocks) -> Tuple[float, float]:
@@ -116,17 +112,15 @@ class EpsilonOfBlocks:
 
 def checked_epsilon_function(
         *, steps: int, delta: float, example_sampling_rate: float,
-        coordinate_sampling_rate: blocks_lib.ScalarOrBlocks,
         orders: Optional[Sequence[float]],
         conversion: conversion_lib.ConversionLike) -> EpsilonOfBlocks:
-    """Validates the setting shared by every block configuration."""
+    """Validates the setting shared by every block configuration (the
+    blocks, rates included, are each `Blocks`'s own)."""
     return EpsilonOfBlocks(
         steps=_validate.integer('steps', steps, 1),
         delta=_validate.probability('delta', delta),
         example_sampling_rate=_validate.rate('example_sampling_rate',
                                              example_sampling_rate),
-        coordinate_sampling_rate=blocks_lib.check_coordinate_rates(
-            coordinate_sampling_rate),
         orders=rdp_lib.check_orders(DEFAULT_ORDERS if orders is None
                                     else orders),
         conversion=conversion_lib.as_conversion(conversion))
@@ -154,11 +148,11 @@ def epsilon_and_optimal_order_after_steps(
     with Poisson sampling.
     """
     blocks = blocks_lib.Blocks.from_arguments(
-        noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions)
+        noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions,
+        coordinate_sampling_rate)
     return checked_epsilon_function(
         steps=steps, delta=delta, example_sampling_rate=example_sampling_rate,
-        coordinate_sampling_rate=coordinate_sampling_rate, orders=orders,
-        conversion=conversion).epsilon_and_optimal_order(blocks)
+        orders=orders, conversion=conversion).epsilon_and_optimal_order(blocks)
 
 
 def epsilon_after_steps(
@@ -382,15 +376,13 @@ def calibrate_noise_multiplier(
     tolerance = check_tolerance(tolerance)
     epsilon_function = checked_epsilon_function(
         steps=steps, delta=delta, example_sampling_rate=example_sampling_rate,
-        coordinate_sampling_rate=coordinate_sampling_rate, orders=orders,
-        conversion=conversion)
+        orders=orders, conversion=conversion)
     template = blocks_lib.Blocks.from_arguments(
-        1.0, l2_norm_clip, linf_norm_clip, block_dimensions)
+        1.0, l2_norm_clip, linf_norm_clip, block_dimensions,
+        coordinate_sampling_rate)
 
     def with_noise(z: float) -> blocks_lib.Blocks:
-        return blocks_lib.Blocks(
-            (z,) * template.size, template.l2_norm_clips,
-            template.linf_norm_clips, template.dimensions)
+        return template.with_noise_multipliers((z,) * template.size)
 
     return smallest_scale_meeting(
         lambda z: epsilon_function.leading_epsilon(with_noise(z)),

@@ -53,12 +53,10 @@ class TwiceSampledGaussianDpEvent(dp_accounting.DpEvent):
 
     def __attrs_post_init__(self):
         _validate.rate('example_sampling_rate', self.example_sampling_rate)
-        blocks_lib.per_block_rates(
-            blocks_lib.check_coordinate_rates(self.coordinate_sampling_rate),
-            self.blocks().size)
+        self.blocks()
 
     def blocks(self) -> blocks_lib.Blocks:
-        """The validated per-block parameters."""
+        """The validated per-block parameters, rates included."""
         return blocks_lib.Blocks.from_arguments(
             self.noise_multiplier, self.l2_norm_clip, self.linf_norm_clip,
-            self.block_dimensions)
+            self.block_dimensions, self.coordinate_sampling_rate)

@@ -100,10 +100,9 @@ def optimize_block_noise(
     target_epsilon = calibration.check_target_epsilon(target_epsilon)
     epsilon_function = calibration.checked_epsilon_function(
         steps=steps, delta=delta, example_sampling_rate=example_sampling_rate,
-        coordinate_sampling_rate=coordinate_sampling_rate, orders=orders,
-        conversion=conversion)
+        orders=orders, conversion=conversion)
     template = blocks_lib.Blocks.from_arguments(
-        1.0, l2_norm_clips, linf_norm_clips, ranks,
+        1.0, l2_norm_clips, linf_norm_clips, ranks, coordinate_sampling_rate,
         l2_norm_clip_name='l2_norm_clips',
         linf_norm_clip_name='linf_norm_clips', block_dimensions_name='ranks')
     if template.dimensions is None:
@@ -121,10 +120,7 @@ def optimize_block_noise(
         _validate.positive(f'variance_weights[{j}]', w)
         for j, w in enumerate(variance_weights)]) * c2 ** 2
 
-    def with_noise(z) -> blocks_lib.Blocks:
-        return blocks_lib.Blocks(tuple(float(x) for x in z),
-                                 template.l2_norm_clips,
-                                 template.linf_norm_clips, template.dimensions)
+    with_noise = template.with_noise_multipliers
 
     def objective(z) -> float:  # sum_j w_j (z_j c2_j)^2
         return float(np.sum(weights * np.asarray(z) ** 2))

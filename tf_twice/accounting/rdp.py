@@ -209,8 +209,7 @@ def check_orders(orders: Union[float, Sequence[float]]) -> np.ndarray:
 
 
 def log_moments_of_coordinate_sampling(
-        max_order: int, coordinate_sampling_rate: blocks_lib.CoordinateRates,
-        blocks: blocks_lib.Blocks) -> np.ndarray:
+        max_order: int, blocks: blocks_lib.Blocks) -> np.ndarray:
     """L(v) = (v-1) eps0(v) for v = 0..max_order ([COORD], all blocks).
 
     L(0) = L(1) = 0: M(0, a) = M(1, a) = 1. The exponents of all blocks
@@ -218,19 +217,16 @@ def log_moments_of_coordinate_sampling(
     """
     block_of, counts, exponents = _all_coordinate_exponents(blocks)
     log_moments = np.zeros(max_order + 1)
-    for rate, at in _coordinates_by_rate(coordinate_sampling_rate, blocks,
-                                         block_of):
+    for rate, at in _coordinates_by_rate(blocks, block_of):
         log_moments += counts[at] @ _log_coordinate_moments(
             max_order, rate, exponents[at])
     return log_moments
 
 
-def _coordinates_by_rate(coordinate_sampling_rate: blocks_lib.CoordinateRates,
-                         blocks: blocks_lib.Blocks, block_of: np.ndarray):
+def _coordinates_by_rate(blocks: blocks_lib.Blocks, block_of: np.ndarray):
     """(rate, mask over the worst-case coordinates) for each distinct rate
     of the coordinates' blocks."""
-    rates = np.array(blocks_lib.per_block_rates(coordinate_sampling_rate,
-                                                blocks.size))[block_of]
+    rates = np.array(blocks.coordinate_sampling_rates)[block_of]
     return [(float(rate), rates == rate) for rate in np.unique(rates)]
 
 
@@ -289,10 +285,8 @@ def _overflows(max_order: int, counts: np.ndarray,
 
 
 def rdp_of_blocks(orders: np.ndarray, example_sampling_rate: float,
-                  coordinate_sampling_rate: blocks_lib.CoordinateRates,
                   blocks: blocks_lib.Blocks) -> np.ndarray:
-    """One-step RDP at `orders` (already checked) for validated blocks and
-    rates (`blocks_lib.check_coordinate_rates`)."""
+    """One-step RDP at `orders` (already checked) for validated blocks."""
     integer_orders = integer_order_ceilings(orders)
     unique_orders, positions = np.unique(integer_orders, return_inverse=True)
     max_order = int(unique_orders[-1])
@@ -300,8 +294,7 @@ def rdp_of_blocks(orders: np.ndarray, example_sampling_rate: float,
     _, counts, exponents = _all_coordinate_exponents(blocks)
     if _overflows(max_order, counts, exponents):
         return np.full(orders.shape, np.inf)
-    log_moments = log_moments_of_coordinate_sampling(
-        max_order, coordinate_sampling_rate, blocks)
+    log_moments = log_moments_of_coordinate_sampling(max_order, blocks)
     rdp = _twice_sampling_rdp_of_moments(
         unique_orders, example_sampling_rate, log_moments)[positions]
     # Nothing above can produce a NaN; were one to appear, it must not pass
@@ -365,11 +358,10 @@ def twice_sampling_rdp(
     """
     orders_array = check_orders(orders)
     q1 = _validate.rate('example_sampling_rate', example_sampling_rate)
-    q2 = blocks_lib.check_coordinate_rates(coordinate_sampling_rate)
     blocks = blocks_lib.Blocks.from_arguments(
-        noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions)
-    blocks_lib.per_block_rates(q2, blocks.size)
-    return rdp_of_blocks(orders_array, q1, q2, blocks)
+        noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions,
+        coordinate_sampling_rate)
+    return rdp_of_blocks(orders_array, q1, blocks)
 
 
 def gaussian_rdp_upper_envelope(orders: np.ndarray,
@@ -404,7 +396,6 @@ def _log_coordinate_moment_slopes(max_order: int, rate: float,
 
 
 def rdp_and_noise_gradient(order: int, example_sampling_rate: float,
-                           coordinate_sampling_rate: blocks_lib.CoordinateRates,
                            blocks: blocks_lib.Blocks
                            ) -> Tuple[float, np.ndarray]:
     """eps(alpha) at one integer order and d eps(alpha) / d log z_j.
@@ -420,15 +411,13 @@ def rdp_and_noise_gradient(order: int, example_sampling_rate: float,
     block_of, counts, exponents = _all_coordinate_exponents(blocks)
     if _overflows(order, counts, exponents):
         return math.inf, np.zeros(blocks.size)
-    log_moments = log_moments_of_coordinate_sampling(
-        order, coordinate_sampling_rate, blocks)
+    log_moments = log_moments_of_coordinate_sampling(order, blocks)
     value = float(_twice_sampling_rdp_of_moments(
         np.array([order]), example_sampling_rate, log_moments)[0])
     # dL(v) / d log z_j, one column per block: -2 count a D(v, a) summed
     # over the block's coordinates.
     moment_slopes = np.empty((exponents.size, order + 1))
-    for rate, at in _coordinates_by_rate(coordinate_sampling_rate, blocks,
-                                         block_of):
+    for rate, at in _coordinates_by_rate(blocks, block_of):
         moment_slopes[at] = _log_coordinate_moment_slopes(order, rate,
                                                           exponents[at])
     weighted = (-2.0 * counts * exponents)[:, None] * moment_slopes

@@ -253,15 +253,13 @@ def hybrid_noise_variance_ratio(
     """
     blocks = blocks_lib.Blocks.from_arguments(
         noise_multipliers, l2_norm_clips, None, block_dimensions,
-        noise_multiplier_name='noise_multipliers',
+        coordinate_sampling_rate, noise_multiplier_name='noise_multipliers',
         l2_norm_clip_name='l2_norm_clips')
     if blocks.dimensions is None:
         raise ValueError('block_dimensions must be given, one per block.')
     d = blocks.dimensions[-1] if model_dimension is None else (
         _validate.integer('model_dimension', model_dimension, 1))
-    rates = blocks_lib.per_block_rates(
-        blocks_lib.check_coordinate_rates(coordinate_sampling_rate),
-        blocks.size)
+    rates = blocks.coordinate_sampling_rates
     q2 = max(rates)
     hybrid = sum(r * (z * c * q2 / q) ** 2 for r, z, c, q in zip(
         blocks.dimensions, blocks.noise_multipliers, blocks.l2_norm_clips,
@@ -278,9 +276,10 @@ def hybrid_noise_variance_ratio(
                                  z_std, d)
 
 
-def _block_table(blocks: blocks_lib.Blocks, rates: Sequence[float]) -> str:
+def _block_table(blocks: blocks_lib.Blocks) -> str:
     """One row per block: c2, c_inf, d0, z, sigma and r (and q2_j when the
     blocks' rates differ)."""
+    rates = blocks.coordinate_sampling_rates
     with_rates = len(set(rates)) > 1
     rows = [f'    {"block":>8} {"l2 clip":>9} {"l-inf clip":>11} {"d0":>9} '
             f'{"noise mult.":>12} {"noise std":>10} {"coordinates":>11}'
@@ -298,6 +297,8 @@ def _block_table(blocks: blocks_lib.Blocks, rates: Sequence[float]) -> str:
 
 
 def _format_blocks(values) -> str:
+    if hasattr(values, 'tolist'):  # numpy arrays and scalars.
+        values = values.tolist()
     if isinstance(values, (list, tuple)):
         return '(' + ', '.join(f'{v:g}' if v is not None else 'none'
                                for v in values) + ')'
@@ -343,19 +344,19 @@ def compute_twice_sampling_privacy_statement(
                                               num_epochs)
     delta = _validate.probability('delta', delta)
     _validate.warn_if_delta_not_small(delta, n)
-    rates = blocks_lib.check_coordinate_rates(coordinate_sampling_rate)
     conversion = conversion_lib.as_conversion(conversion)
     _check_no_microbatching(used_microbatching)
     blocks = blocks_lib.Blocks.from_arguments(
-        noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions)
-    block_rates = blocks_lib.per_block_rates(rates, blocks.size)
+        noise_multiplier, l2_norm_clip, linf_norm_clip, block_dimensions,
+        coordinate_sampling_rate)
+    block_rates = blocks.coordinate_sampling_rates
     # DP-SGD is compared at q1 q2, q2 the largest rate: it computes as many
     # contributions per coordinate as the most-kept block does.
     q2 = max(block_rates)
-    eps, order = compute_twice_sampling_privacy(
-        n, batch_size, noise_multiplier, num_epochs, delta, rates,
-        l2_norm_clip, linf_norm_clip, block_dimensions=block_dimensions,
-        conversion=conversion)
+    # `compute_twice_sampling_privacy` of the checked arguments.
+    eps, order = calibration.checked_epsilon_function(
+        steps=steps, delta=delta, example_sampling_rate=q1, orders=None,
+        conversion=conversion).epsilon_and_optimal_order(blocks)
     z_eff = blocks.effective_noise_multiplier()
     eps_standard, _ = standard_dp_sgd_epsilon(
         example_sampling_rate=q1 * q2, noise_multiplier=z_eff, steps=steps,
@@ -372,7 +373,8 @@ def compute_twice_sampling_privacy_statement(
         f'{name} performed over {n} examples with '
         f'{batch_size:g} examples per iteration in expectation (Poisson '
         f'sampling rate q1 = {q1:.6g}), '
-        + (f'coordinate sampling rate q2 = {_format_blocks(rates)}, '
+        + (f'coordinate sampling rate q2 = '
+           f'{_format_blocks(coordinate_sampling_rate)}, '
            if min(block_rates) < 1 else '')
         + f'noise multiplier {_format_blocks(noise_multiplier)}, l2 clip '
         f'{_format_blocks(l2_norm_clip)}'
@@ -417,7 +419,7 @@ def compute_twice_sampling_privacy_statement(
             '1 means twice sampling needs less noise).', width=_WIDTH))
     if not one_block:
         paragraphs.append(_hybrid_paragraph(
-            blocks, eps, delta=delta, steps=steps, q1=q1, rates=block_rates,
+            blocks, eps, delta=delta, steps=steps, q1=q1,
             model_dimension=model_dimension, conversion=conversion))
     if max_examples_per_user is None:
         paragraphs.append(textwrap.fill(
@@ -432,14 +434,13 @@ def compute_twice_sampling_privacy_statement(
 
 
 def _hybrid_paragraph(blocks: blocks_lib.Blocks, eps: float, *, delta: float,
-                      steps: int, q1: float, rates: Sequence[float],
-                      model_dimension: Optional[int],
+                      steps: int, q1: float, model_dimension: Optional[int],
                       conversion: conversion_lib.Conversion) -> str:
     """The block table and the variance comparison of a multi-block step."""
     text = (textwrap.fill(
         'Hybrid-clipping blocks (principal blocks, then the residual; noise '
         'std = noise multiplier * l2 clip on every coordinate of the '
-        'block):', width=_WIDTH) + '\n' + _block_table(blocks, rates))
+        'block):', width=_WIDTH) + '\n' + _block_table(blocks))
     if blocks.dimensions is None:
         return text + '\n' + textwrap.fill(
             'The total noise variance and its ratio to standard DP-SGD need '
@@ -448,6 +449,7 @@ def _hybrid_paragraph(blocks: blocks_lib.Blocks, eps: float, *, delta: float,
             width=_WIDTH)
     if not (math.isfinite(eps) and eps > 0):
         return text
+    rates = blocks.coordinate_sampling_rates
     cmp = hybrid_noise_variance_ratio(
         noise_multipliers=blocks.noise_multipliers,
         l2_norm_clips=blocks.l2_norm_clips,
