@@ -270,13 +270,6 @@ class TwiceSamplingConfig:
         return tuple(effective_coordinate_sampling_rate(q2)
                      for q2 in self.coordinate_sampling_rates)
 
-    def _rates_field(self):
-        """The accountant's ``coordinate_sampling_rate``: one rate when the
-        blocks share it (so the events of one-rate configs stay as they
-        were), else one per block."""
-        rates = self.coordinate_sampling_rates
-        return rates[0] if len(set(rates)) == 1 else rates
-
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
@@ -317,22 +310,32 @@ class TwiceSamplingConfig:
                 'config.calibrate(target_epsilon=..., delta=..., steps=...) '
                 'or give it explicitly.')
 
-    def dp_event(self) -> accounting.TwiceSampledGaussianDpEvent:
-        """The DpEvent of one step: the ONLY place an event is built from a
-        mechanism. One block gives scalar fields, several give tuples."""
-        self._require_private('dp_event')
-
+    def _block_arguments(self) -> Dict[str, Any]:
+        """The blocks as the accounting's per-block arguments, which
+        ``accounting.blocks.Blocks.from_arguments`` alone resolves (the
+        event's ``blocks()``, calibration). One block gives scalars,
+        several give tuples, and a rate the blocks share stays one rate: so
+        the events, and the ledger keys, of one-rate configs stay as they
+        were."""
         def field(values):
             return values[0] if self.num_blocks == 1 else values
 
-        dims = self.dimensions
-        return accounting.TwiceSampledGaussianDpEvent(
-            example_sampling_rate=self.example_sampling_rate,
-            coordinate_sampling_rate=self._rates_field(),
+        rates, dims = self.coordinate_sampling_rates, self.dimensions
+        return dict(
+            coordinate_sampling_rate=(rates[0] if len(set(rates)) == 1
+                                      else rates),
             noise_multiplier=field(self.noise_multipliers),
             l2_norm_clip=field(self.l2_norm_clips),
             linf_norm_clip=field(self.linf_norm_clips),
             block_dimensions=None if dims is None else field(dims))
+
+    def dp_event(self) -> accounting.TwiceSampledGaussianDpEvent:
+        """The DpEvent of one step: the ONLY place an event is built from a
+        mechanism; its ``blocks()`` is the accounting's record of them."""
+        self._require_private('dp_event')
+        return accounting.TwiceSampledGaussianDpEvent(
+            example_sampling_rate=self.example_sampling_rate,
+            **self._block_arguments())
 
     def epsilon_and_optimal_order(
             self, steps: int, delta: float, *,
@@ -384,15 +387,13 @@ class TwiceSamplingConfig:
             raise ValueError('calibrate: a non_private config has no '
                              'privacy guarantee to calibrate.')
         _validate.warn_if_delta_not_small(delta, self.num_examples)
-        dims = self.dimensions
+        blocks = self._block_arguments()
+        del blocks['noise_multiplier']  # What is calibrated.
         z = accounting.calibrate_noise_multiplier(
             target_epsilon=target_epsilon, delta=delta, steps=steps,
             example_sampling_rate=self.example_sampling_rate,
-            coordinate_sampling_rate=self._rates_field(),
-            l2_norm_clip=self.l2_norm_clips,
-            linf_norm_clip=self.linf_norm_clips,
-            block_dimensions=dims, orders=orders, conversion=conversion,
-            tolerance=tolerance)
+            orders=orders, conversion=conversion, tolerance=tolerance,
+            **blocks)
         return self.with_noise_multipliers((z,) * self.num_blocks)
 
     # Derived configs -------------------------------------------------------
