@@ -55,6 +55,11 @@ def _as_tuple(name: str, value, allow_none: bool = False) -> Tuple:
 class Blocks:
     """Per-block parameters, validated; all tuples have length `size`.
 
+    Not ``tf_twice.config.Block``: a config's blocks may leave the noise
+    (to calibrate) and the rate (the config's) open and are held to the
+    mechanism's limits (e.g. q2 >= 2**-16, the mask resolution), while the
+    accounting resolves every value and accepts any rate in (0, 1].
+
     Attributes:
       noise_multipliers: z_j > 0; block j's noise std is z_j * c2_j.
       l2_norm_clips: c2_j > 0.
