@@ -12,6 +12,9 @@ Several hybrid-clipping blocks: give comma-separated lists of equal length
 for --noise_multiplier, --l2_norm_clip and --linf_norm_clip, and for
 --coordinate_sampling_rate one rate per block (hybrid clipping's principal
 blocks keep every coordinate by default: rate 1, then the residual's q2).
+With several blocks a single rate is refused unless it is 1 (no masks):
+a rate below 1 for every block would state the paper's all-masked plan, whose
+epsilon is smaller than that of a default plan.
 """
 
 from absl import app
@@ -65,6 +68,17 @@ def _numbers(flag_name: str, values, allow_none: bool = False):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    rates = _numbers('coordinate_sampling_rate',
+                     _COORDINATE_SAMPLING_RATE.value)
+    num_blocks = max(len(values) for values in (
+        _NOISE_MULTIPLIER.value, _L2_NORM_CLIP.value, _LINF_NORM_CLIP.value))
+    if num_blocks > 1 and not isinstance(rates, tuple) and rates != 1:
+        raise app.UsageError(
+            f'--coordinate_sampling_rate must give one rate per block '
+            f'({num_blocks}) when it is below 1, e.g. '
+            f'{",".join(["1"] * (num_blocks - 1) + [f"{rates:g}"])} for '
+            'hybrid clipping\'s default (principal blocks unmasked); got the '
+            f'single rate {rates:g}.')
     try:
         text = statement.compute_twice_sampling_privacy_statement(
             number_of_examples=_N.value,
@@ -73,8 +87,7 @@ def main(argv):
             noise_multiplier=_numbers('noise_multiplier',
                                       _NOISE_MULTIPLIER.value),
             delta=_DELTA.value,
-            coordinate_sampling_rate=_numbers(
-                'coordinate_sampling_rate', _COORDINATE_SAMPLING_RATE.value),
+            coordinate_sampling_rate=rates,
             l2_norm_clip=_numbers('l2_norm_clip', _L2_NORM_CLIP.value),
             linf_norm_clip=_numbers('linf_norm_clip', _LINF_NORM_CLIP.value,
                                     allow_none=True),

@@ -10,9 +10,10 @@ One logical step on n = ``num_examples`` records (SPEC section 4):
 1. Poisson-sample every record with rate q1 = expected_batch_size / n;
 2. per sampled record and block j: clip the gradient's block to l2 <= c2_j,
    then every coordinate to |x| <= c_inf_j (if given);
-3. keep each coordinate with probability q2 (``coordinate_sampling_rate``);
-4. sum, add N(0, (z_j c2_j)^2) to every coordinate of block j and divide by
-   expected_batch_size * q2.
+3. keep each coordinate of block j with probability q2_j (the block's
+   ``coordinate_sampling_rate``, else the config's q2);
+4. sum, add N(0, (z_j c2_j)^2) to every coordinate of block j and divide
+   block j by expected_batch_size * q2_j.
 
 Guarantee: each such step is exactly ``config.dp_event()``
 (``TwiceSampledGaussianDpEvent``), so T steps are (epsilon, delta)-DP with

@@ -302,6 +302,15 @@ def test_command_line():
         60000, 2048, (3.0, 1.34), 80, 1e-5, 0.5, (0.6, 0.8), (0.6, 0.08))
     assert _numbers_after('Epsilon with twice sampling:',
                           hybrid.stdout) == round(eps, 3) > masked
+    # So one rate below 1 for several blocks is refused, naming the flag.
+    single = subprocess.run(
+        [sys.executable, '-m', 'tf_twice.compute_privacy', '--N=60000',
+         '--batch_size=2048', '--noise_multiplier=3,1.34', '--epochs=80',
+         '--coordinate_sampling_rate=0.5', '--l2_norm_clip=0.6,0.8'],
+        capture_output=True, text=True, timeout=300)
+    assert single.returncode != 0
+    assert ('--coordinate_sampling_rate must give one rate per block (2)'
+            in single.stderr)
 
 
 def test_multi_block_statement_compares_total_noise_variance():

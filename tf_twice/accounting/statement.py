@@ -277,10 +277,12 @@ def hybrid_noise_variance_ratio(
 
 
 def _block_table(blocks: blocks_lib.Blocks) -> str:
-    """One row per block: c2, c_inf, d0, z, sigma and r (and q2_j when the
-    blocks' rates differ)."""
+    """One row per block: c2, c_inf, d0, z, sigma, r and q2_j (shown even
+    when the blocks share it: a plan's principal blocks usually keep every
+    coordinate, and one rate for all blocks, masked, has a smaller
+    epsilon)."""
     rates = blocks.coordinate_sampling_rates
-    with_rates = len(set(rates)) > 1
+    with_rates = blocks.size > 1
     rows = [f'    {"block":>8} {"l2 clip":>9} {"l-inf clip":>11} {"d0":>9} '
             f'{"noise mult.":>12} {"noise std":>10} {"coordinates":>11}'
             + (f' {"q2":>6}' if with_rates else '')]
