@@ -30,13 +30,37 @@ def digits():
     return data_lib.load_data('digits')
 
 
-def test_resuming_continues_the_ledger(digits, tmp_path):
-    checkpoint_dir = str(tmp_path / 'run')
+def test_resuming_continues_the_ledger_of_its_recorded_mechanism(digits,
+                                                                 tmp_path):
+    checkpoint_dir = tmp_path / 'run'
     config = dict(FAST, mode='twice', noise_multiplier=1.0,
-                  checkpoint_dir=checkpoint_dir)
+                  checkpoint_dir=str(checkpoint_dir))
     first = runner.train(dict(config, steps=2), data=digits)
     assert first['total_steps'] == 2
     ledger_file = os.path.join(checkpoint_dir, resume.LEDGER_FILENAME)
+    with open(ledger_file) as f:
+        assert json.load(f)['steps'] == 2
+    # Keras weights, the ledger and the run file, each written through a
+    # temporary file in the directory and then replaced: none is left.
+    assert sorted(p.name for p in checkpoint_dir.iterdir()) == sorted([
+        resume.CHECKPOINT_NAME, resume.LEDGER_FILENAME, resume.RUN_FILENAME])
+    assert resume.CHECKPOINT_NAME.endswith('.weights.h5')
+    record = json.loads((checkpoint_dir / resume.RUN_FILENAME).read_text())
+    assert record['mode'] == 'twice' and record['planned_steps'] == 2
+    assert record['mechanism_settings']['noise_multiplier'] == 1.0
+    assert record['mechanism_settings']['coordinate_sampling_rate'] == 0.5
+
+    # Another mechanism is refused by its flag, before anything is written.
+    with pytest.raises(ValueError, match=r'--noise_multiplier=1\.0 '
+                       r'\(now 1\.5\)') as raised:
+        runner.build_run(dict(config, noise_multiplier=1.5, steps=4),
+                         data=digits)
+    assert 'noise_multiplier 1.0 (charged) != 1.5 (now)' in str(raised.value)
+    with pytest.raises(ValueError, match='--coordinate_sampling_rate'):
+        runner.build_run(dict(config, coordinate_sampling_rate=0.25),
+                         data=digits)
+    with pytest.raises(ValueError, match='--l2_norm_clip'):
+        runner.build_run(dict(config, l2_norm_clip=2.0), data=digits)
     with open(ledger_file) as f:
         assert json.load(f)['steps'] == 2
 
@@ -59,18 +83,6 @@ def test_resuming_continues_the_ledger(digits, tmp_path):
     third = runner.train(dict(config, steps=5), data=digits)
     assert third['steps'] == 0 and third['total_steps'] == 5
     assert third['epsilon'] == pytest.approx(expected, rel=1e-9)
-
-
-def test_checkpoint_is_keras_weights_with_no_temporary_left(digits,
-                                                            tmp_path):
-    checkpoint_dir = tmp_path / 'run'
-    config = dict(FAST, mode='dpsgd', noise_multiplier=1.0,
-                  checkpoint_dir=str(checkpoint_dir))
-    runner.train(dict(config, steps=2), data=digits)
-    assert sorted(os.listdir(checkpoint_dir)) == sorted([
-        resume.CHECKPOINT_NAME, resume.LEDGER_FILENAME,
-        resume.RUN_FILENAME])
-    assert resume.CHECKPOINT_NAME.endswith('.weights.h5')
 
 
 def test_a_crash_mid_save_keeps_the_last_checkpoint(tmp_path):
@@ -190,26 +202,6 @@ def test_budget_split_is_recorded_only_when_not_the_default(tmp_path):
     assert second['resumed_steps'] == 2
 
 
-def test_resume_refuses_a_changed_noise_naming_the_flag(digits, tmp_path):
-    checkpoint_dir = str(tmp_path / 'run')
-    config = dict(FAST, mode='twice', noise_multiplier=1.0,
-                  checkpoint_dir=checkpoint_dir)
-    runner.train(dict(config, steps=2), data=digits)
-    with pytest.raises(ValueError, match=r'--noise_multiplier=1\.0 '
-                       r'\(now 1\.5\)') as raised:
-        runner.build_run(dict(config, noise_multiplier=1.5, steps=4),
-                         data=digits)
-    assert 'noise_multiplier 1.0 (charged) != 1.5 (now)' in str(raised.value)
-    with pytest.raises(ValueError, match='--coordinate_sampling_rate'):
-        runner.build_run(dict(config, coordinate_sampling_rate=0.25),
-                         data=digits)
-    with pytest.raises(ValueError, match='--l2_norm_clip'):
-        runner.build_run(dict(config, l2_norm_clip=2.0), data=digits)
-    # Refused before anything was written: the ledger is unchanged.
-    with open(os.path.join(checkpoint_dir, resume.LEDGER_FILENAME)) as f:
-        assert json.load(f)['steps'] == 2
-
-
 def test_calibrated_noise_resumes_only_for_its_plan(digits, tmp_path):
     """--target_epsilon calibrates the noise for --steps: more steps would
     change it, so they are refused; the recorded noise goes on."""
@@ -229,20 +221,6 @@ def test_calibrated_noise_resumes_only_for_its_plan(digits, tmp_path):
     # One mechanism throughout: the statement covers every step.
     assert second['statement_epsilon'] == pytest.approx(second['epsilon'],
                                                         rel=1e-9)
-
-
-def test_run_file_records_the_mechanism_and_is_replaced_whole(digits,
-                                                              tmp_path):
-    checkpoint_dir = tmp_path / 'run'
-    runner.train(dict(FAST, mode='twice', noise_multiplier=1.0, steps=1,
-                      checkpoint_dir=str(checkpoint_dir)), data=digits)
-    record = json.loads((checkpoint_dir / resume.RUN_FILENAME).read_text())
-    assert record['mode'] == 'twice' and record['planned_steps'] == 1
-    assert record['mechanism_settings']['noise_multiplier'] == 1.0
-    assert record['mechanism_settings']['coordinate_sampling_rate'] == 0.5
-    # Written through a temporary file in the directory, then replaced.
-    assert sorted(p.name for p in checkpoint_dir.iterdir()) == sorted([
-        resume.CHECKPOINT_NAME, resume.LEDGER_FILENAME, resume.RUN_FILENAME])
 
 
 def test_a_resumed_run_continues_the_learning_rate_schedule(digits,
