@@ -277,15 +277,14 @@ def hybrid_noise_variance_ratio(
 
 
 def _block_table(blocks: blocks_lib.Blocks) -> str:
-    """One row per block: c2, c_inf, d0, z, sigma, r and q2_j (shown even
-    when the blocks share it: a plan's principal blocks usually keep every
-    coordinate, and one rate for all blocks, masked, has a smaller
-    epsilon)."""
+    """One row per block of a multi-block step: c2, c_inf, d0, z, sigma, r
+    and q2_j (shown even when the blocks share it: a plan's principal
+    blocks usually keep every coordinate, and one rate for all blocks,
+    masked, has a smaller epsilon)."""
     rates = blocks.coordinate_sampling_rates
-    with_rates = blocks.size > 1
     rows = [f'    {"block":>8} {"l2 clip":>9} {"l-inf clip":>11} {"d0":>9} '
-            f'{"noise mult.":>12} {"noise std":>10} {"coordinates":>11}'
-            + (f' {"q2":>6}' if with_rates else '')]
+            f'{"noise mult.":>12} {"noise std":>10} {"coordinates":>11} '
+            f'{"q2":>6}']
     for j in range(blocks.size):
         c2, ci = blocks.l2_norm_clips[j], blocks.linf_norm_clips[j]
         z = blocks.noise_multipliers[j]
@@ -293,8 +292,7 @@ def _block_table(blocks: blocks_lib.Blocks) -> str:
              else f'{blocks.dimensions[j]:,}')
         name = 'residual' if j == blocks.size - 1 else str(j + 1)
         rows.append(f'    {name:>8} {c2:9.4g} {ci:11.4g} {(c2 / ci) ** 2:9.4g}'
-                    f' {z:12.4g} {z * c2:10.4g} {r:>11}'
-                    + (f' {rates[j]:6.4g}' if with_rates else ''))
+                    f' {z:12.4g} {z * c2:10.4g} {r:>11} {rates[j]:6.4g}')
     return '\n'.join(rows)
 
 
