@@ -89,7 +89,7 @@ def test_a_run_prints_its_recipe(capsys):
     printed = capsys.readouterr().out
     assert printed.startswith('Recipe: twice sampling on digits')
     assert results['recipe'] in printed
-    assert ('Overridden: --batch_size, --learning_rate, '
+    assert ('Overridden: --batch_size, --learning_rate, --model, '
             '--physical_batch_size, --steps.') in results['recipe']
     assert results['learning_rate'] == 0.4 and results['momentum'] == 0.0
 
