@@ -580,9 +580,11 @@ def test_seeded_stream_never_replays_on_weights_from_elsewhere(tmp_path,
     noise = run_step(resumed)
     for earlier in released:
         assert abs(np.corrcoef(noise, earlier)[0, 1]) < 0.5, route
-    # The same seed on the same initial model reproduces the run.
-    again = _dp_model(seed=SEED)
-    np.testing.assert_array_equal(_noise_of_next_step(again), released[0])
+    if route == 'set_weights':  # Whatever the route: checked once.
+        # The same seed on the same initial model reproduces the run.
+        again = _dp_model(seed=SEED)
+        np.testing.assert_array_equal(_noise_of_next_step(again),
+                                      released[0])
 
 
 @markers.needs_tf_privacy_optimizers
