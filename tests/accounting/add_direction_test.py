@@ -68,8 +68,8 @@ def test_the_integration_gives_the_accountants_remove_direction(q2, d0):
         assert got == pytest.approx(want, rel=1e-6), (z, q1, alpha)
 
 
-@pytest.mark.parametrize('z, q1', itertools.product([0.5, 1.0, 2.0],
-                                                    [0.02, 0.5]))
+@pytest.mark.parametrize('z, q1', list(itertools.product([0.5, 1.0, 2.0],
+                                                         [0.02, 0.5])))
 def test_add_direction_stays_below_the_accountant(z, q1):
     c2 = 1.0
     sigma = z * c2
@@ -114,8 +114,8 @@ def test_the_integration_gives_the_accountants_per_block_rates():
 # Noise multipliers per block, equal and unequal (a planner may give the
 # principal block far more noise than the residual, or less), and q1 up to
 # 0.9, where the add direction comes closest to the remove direction.
-@pytest.mark.parametrize('zs, q1', itertools.product(
-    [(1.0, 1.0), (2.0, 2.0), (15.0, 2.0), (1.0, 4.0)], [0.05, 0.5, 0.9]))
+@pytest.mark.parametrize('zs, q1', list(itertools.product(
+    [(1.0, 1.0), (2.0, 2.0), (15.0, 2.0), (1.0, 4.0)], [0.05, 0.5, 0.9])))
 def test_add_direction_stays_below_the_accountant_with_per_block_rates(
         zs, q1):
     z_principal, z_residual = zs
