@@ -113,9 +113,13 @@ def test_plan_blocks_linf_clips(basis_and_public):
         [c2[0] / math.sqrt(3), c2[1] / 2.0, c2[2] / 4.0], rtol=1e-12)
     # The config's l-infinity clip is the residual's, capped at its c2.
     for c_inf in (1e-3, 100.0):
-        planned = budgets.plan_blocks(
-            _one_block(noise_multiplier=1.0, linf_norm_clip=c_inf), basis,
-            public)
+        if c_inf > 1.0:  # Above c2 = 1: the config says it clips nothing.
+            with pytest.warns(UserWarning, match='clips nothing'):
+                config = _one_block(noise_multiplier=1.0,
+                                    linf_norm_clip=c_inf)
+        else:
+            config = _one_block(noise_multiplier=1.0, linf_norm_clip=c_inf)
+        planned = budgets.plan_blocks(config, basis, public)
         residual_c2 = planned.l2_norm_clips[-1]
         assert planned.linf_norm_clips[-1] == pytest.approx(
             min(c_inf, residual_c2), rel=1e-12)
