@@ -423,18 +423,15 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
         record, revealing that it was sampled.
         """
         real = weights > 0
+        rows = per_example.rows_where(real)
         self._example_loss_tracker.update_state(
-            tf.boolean_mask(losses, real),
-            sample_weight=tf.boolean_mask(weights, real))
+            rows(losses), sample_weight=rows(weights))
         valid = self._example_loss.valid_rows(y, predictions)
         if valid is not None:
-            real = tf.logical_and(real, valid)
-        y_real = tf.boolean_mask(y, real)
-        predictions = tf.nest.map_structure(
-            lambda t: tf.boolean_mask(t, real), predictions)
+            rows = per_example.rows_where(tf.logical_and(real, valid))
         _keras.update_compiled_metrics(
-            self, y_real, predictions,
-            tf.boolean_mask(weights, real) if weighted else None)
+            self, rows(y), tf.nest.map_structure(rows, predictions),
+            rows(weights) if weighted else None)
 
     def _apply_update(self, update, variables) -> None:
         optimizer = _keras.without_loss_scaling(self.optimizer)

@@ -84,6 +84,12 @@ def _all_per_row(valid: tf.Tensor) -> tf.Tensor:
     return tf.reduce_all(tf.reshape(valid, [tf.shape(valid)[0], -1]), axis=1)
 
 
+def rows_where(keep: tf.Tensor):
+    """t -> the rows of t where ``keep`` [B] is True, in order: one index
+    for every tensor (as tf.boolean_mask each, in a fraction of its ops)."""
+    index = tf.reshape(tf.where(keep), [-1])
+    return lambda t: tf.gather(t, index)
+
 class ExampleLoss:
     """The per-example loss of a Keras loss (see `loss_fn`)."""
 

@@ -236,11 +236,13 @@ _REDUCE_SLICES_FIRST = _xla_prefers_reducing_slices_first()
 
 def _add_halves(x: tf.Tensor) -> tf.Tensor:
     """sum_i x[i] over a power-of-2 leading dimension by adding halves:
-    elementwise, so XLA fuses it with what produces x."""
+    elementwise, so XLA fuses it with what produces x. (tf.split, not
+    slicing: one op per level instead of two strided slices and their
+    constants, a smaller graph to trace.)"""
     while x.shape[0] > 1:
-        half = x.shape[0] // 2
-        x = x[:half] + x[half:]
-    return x[0]
+        low, high = tf.split(x, 2)
+        x = low + high
+    return tf.squeeze(x, 0)
 
 
 def _sum_rows(x: tf.Tensor, reduce_slices_first: bool) -> tf.Tensor:

@@ -26,7 +26,7 @@ Mask entries. An entry is True with probability
 
 import math
 import numbers
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -260,24 +260,35 @@ def standard_normal_noise(
     ``precision.accumulation_dtype`` (float64 for float64, else float32).
     """
     block = check_block_index(block, len(shapes))
-    noise = []
-    for v, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-        shape = [int(s) for s in shape]
-        size = math.prod(shape)
-        half = (size + 1) // 2
-        # k 2**-52 from the top 52 of 64 Philox bits, k < 2**52: from
-        # integer draws, which XLA computes as the CPU kernel does (its
-        # float uniforms take other bits).
-        bits = tf.raw_ops.StatelessRandomUniformFullIntV2(
-            shape=[2, half],
-            key=key,
-            counter=_counter(0, noise_stream(block, v)),
-            alg=_PHILOX_ALG,
-            dtype=tf.uint64)
+    shapes = [[int(s) for s in shape] for shape in shapes]
+    halves = [(math.prod(shape) + 1) // 2 for shape in shapes]
+    # k 2**-52 from the top 52 of 64 Philox bits, k < 2**52: from integer
+    # draws, which XLA computes as the CPU kernel does (its float uniforms
+    # take other bits). Tensor v's bits come from its own stream; the
+    # transform is elementwise, so it runs once over the bits of every
+    # tensor of one accumulation dtype (a graph of a few ops per tensor,
+    # not some thirty).
+    bits = [tf.raw_ops.StatelessRandomUniformFullIntV2(
+        shape=[2, half], key=key,
+        counter=tf.constant([0, noise_stream(block, v)], tf.uint64),
+        alg=_PHILOX_ALG, dtype=tf.uint64) for v, half in enumerate(halves)]
+    groups: dict = {}
+    for v, dtype in enumerate(dtypes):
+        groups.setdefault(precision.accumulation_dtype(dtype), []).append(v)
+    noise: List[Optional[tf.Tensor]] = [None] * len(shapes)
+    for accumulation_dtype, members in groups.items():
         uniform = tf.cast(tf.bitwise.right_shift(
-            bits, tf.constant(12, tf.uint64)), tf.float64) * 2.0**-52
-        pairs = box_muller(uniform, precision.accumulation_dtype(dtype))
-        noise.append(tf.cast(tf.reshape(pairs[:size], shape), dtype))
+            tf.concat([bits[v] for v in members], 1),
+            tf.constant(12, tf.uint64)), tf.float64) * 2.0**-52
+        # Row 0: the radius times the cosine of every pair; row 1: the sine.
+        pairs = tf.reshape(box_muller(uniform, accumulation_dtype), [2, -1])
+        for v, draws in zip(members, tf.split(
+                pairs, [halves[v] for v in members], axis=1)):
+            size = math.prod(shapes[v])
+            draws = tf.reshape(draws, [-1])  # Tensor v's pairs, as alone.
+            if size % 2:
+                draws = draws[:size]
+            noise[v] = tf.cast(tf.reshape(draws, shapes[v]), dtypes[v])
     return noise
 
 
