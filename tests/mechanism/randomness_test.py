@@ -124,6 +124,34 @@ def test_float32_noise_of_a_fixed_key_has_no_exact_zero():
     assert np.count_nonzero(noise == 0) == 0
 
 
+
+def test_each_tensors_noise_is_box_muller_of_its_own_stream():
+    # The transform runs once over the bits of every tensor of one
+    # accumulation dtype; each tensor's draws must still be those of its
+    # own stream alone, in its own layout (radius times cosine of each
+    # pair, then times sine, cut to an odd size), whatever the other
+    # tensors' sizes and dtypes. The reference: numpy from the raw bits.
+    key = randomness.draw_step_key(tf.random.Generator.from_seed(3))
+    shapes = [(3,), (2, 2), (0,), (5, 1), (7,)]
+    dtypes = [tf.float32, tf.float64, tf.float32, tf.float16, tf.float64]
+    noise = randomness.standard_normal_noise(key, shapes, dtypes, block=1)
+    for v, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        size = math.prod(shape)
+        bits = tf.raw_ops.StatelessRandomUniformFullIntV2(
+            shape=[2, (size + 1) // 2], key=key,
+            counter=tf.constant([0, randomness.noise_stream(1, v)],
+                                tf.uint64),
+            alg=1, dtype=tf.uint64).numpy()
+        u = (bits >> np.uint64(12)).astype(np.float64) * 2.0**-52 + 2.0**-53
+        radius, angle = np.sqrt(-2 * np.log(u[0])), 2 * math.pi * u[1]
+        want = np.concatenate([radius * np.cos(angle),
+                               radius * np.sin(angle)])[:size]
+        assert noise[v].dtype == dtype and noise[v].shape == shape
+        np.testing.assert_allclose(
+            noise[v].numpy().astype(np.float64), want.reshape(shape),
+            rtol={tf.float16: 1e-3, tf.float32: 1e-5}.get(dtype, 1e-12),
+            atol=1e-6, err_msg=f'tensor {v}')
+
 @pytest.mark.parametrize('dtype', [tf.float32, tf.float64, tf.float16])
 def test_noise_is_standard_normal(dtype):
     # 400,001 draws (odd: the last Box-Muller pair is cut) in two tensors.
