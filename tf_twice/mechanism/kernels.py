@@ -235,10 +235,8 @@ _REDUCE_SLICES_FIRST = _xla_prefers_reducing_slices_first()
 
 
 def _add_halves(x: tf.Tensor) -> tf.Tensor:
-    """sum_i x[i] over a power-of-2 leading dimension by adding halves:
-    elementwise, so XLA fuses it with what produces x. (tf.split, not
-    slicing: one op per level instead of two strided slices and their
-    constants, a smaller graph to trace.)"""
+    """sum_i x[i], a power-of-2 leading dimension, by adding halves (one
+    tf.split a level): elementwise, so XLA fuses it with what makes x."""
     while x.shape[0] > 1:
         low, high = tf.split(x, 2)
         x = low + high
