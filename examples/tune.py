@@ -2,7 +2,8 @@ r"""Tunes the training script's settings on a validation split, on a budget.
 
 Every trial is a run of examples/train.py (`examples.training.runner.train`)
 on the private training examples less `--validation_examples` (a fixed
-subset, the same for every trial and seed), scored by its validation
+subset, the same for every trial and seed) and less `--public_examples`
+(hybrid clipping's public split, also fixed), scored by its validation
 accuracy; the test split is never read. Each trial's noise is calibrated to
 its own target epsilon over its own steps, so trials that train longer or
 on larger batches pay for it in noise, as they would in a release.
@@ -182,6 +183,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer('validation_examples', DEFAULT_VALIDATION_EXAMPLES,
                          'Private training examples held out to score the '
                          'trials.', **fv)
+    flags.DEFINE_integer('public_examples', 0, 'Training examples held out '
+                         'as the public split (hybrid clipping learns its '
+                         'basis there), the same for every trial.', **fv)
     flags.DEFINE_multi_string('grid', [], 'NAME=V1,V2,...: a flag of '
                               'examples/train.py and the values to try.',
                               **fv)
@@ -222,9 +226,12 @@ def main(argv: Sequence[str]) -> None:
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     fixed.update(dataset=f.dataset, features=f.features, data_dir=f.data_dir)
+    if f.public_examples:  # Only then: the stores of other searches match.
+        fixed.update(public_examples=f.public_examples)
     data = data_lib.load_data(f.dataset, data_dir=f.data_dir,
                               features=f.features,
-                              validation_examples=f.validation_examples)
+                              validation_examples=f.validation_examples,
+                              public_examples=f.public_examples)
     store = RunStore(f.results_json, dict(
         fixed, data_dir=None, validation_examples=f.validation_examples))
     scored = search(points, fixed=fixed, seeds=seeds, data=data, store=store)

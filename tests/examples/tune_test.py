@@ -7,6 +7,7 @@ never read the test split.
 
 import json
 
+from absl import flags
 import numpy as np
 import pytest
 
@@ -128,3 +129,30 @@ def test_a_real_search_never_reads_the_test_split(monkeypatch):
         assert 0.0 <= run['validation_accuracy'] <= 1.0
         assert run['test_accuracy'] is None and run['epsilon'] > 0
     assert splits == ['validation', 'validation']
+
+
+@pytest.mark.parametrize('public_examples', [0, 40])
+def test_the_public_split_is_held_out_for_every_trial(
+        monkeypatch, tmp_path, public_examples):
+    # Hybrid clipping's trials learn their basis from it; a search without
+    # one keeps the stored settings of the searches made before the flag.
+    seen = []
+
+    def fake_train(config, data, evaluate_test=True):
+        seen.append((config.get('public_examples'), len(data.x_public),
+                     len(data.x_validation)))
+        return dict(validation_accuracy=0.5, epsilon=1.0, total_steps=1,
+                    train_seconds=0.0, noise_multiplier=1.0)
+
+    flag_values = flags.FlagValues()
+    tune.define_flags(flag_values)
+    path = tmp_path / 'tune.json'
+    flag_values(['tune.py', '--dataset=digits', '--validation_examples=100',
+                 f'--public_examples={public_examples}', '--set=mode=hybrid',
+                 '--grid=learning_rate=0.1,0.2', f'--results_json={path}'])
+    monkeypatch.setattr(flags, 'FLAGS', flag_values)
+    monkeypatch.setattr(runner, 'train', fake_train)
+    tune.main(['tune.py'])
+    assert seen == [(public_examples or None, public_examples, 100)] * 2
+    settings = json.loads(path.read_text())['settings']
+    assert settings.get('public_examples') == (public_examples or None)
