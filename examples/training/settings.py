@@ -151,6 +151,8 @@ def parse_ranks(ranks: Any) -> Tuple[int, ...]:
         return DEFAULT_RANKS
     if isinstance(ranks, str):
         ranks = [r for r in ranks.split(',') if r.strip()]
+    elif isinstance(ranks, int) and not isinstance(ranks, bool):
+        ranks = [ranks]  # One block, e.g. a search's --set=ranks=16.
     try:
         parsed = tuple(int(str(r).strip()) for r in ranks)
     except (TypeError, ValueError):

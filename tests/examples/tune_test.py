@@ -17,6 +17,7 @@ pytest.importorskip('sklearn.datasets')
 from examples import tune
 from examples.training import data as data_lib
 from examples.training import runner
+from examples.training import settings
 from examples.training.run_store import RunStore
 from tests.examples.train_helpers import FAST
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -35,6 +36,13 @@ def test_assignments_name_a_training_flag():
         with pytest.raises(ValueError, match=match):
             tune.parse_assignment('grid', bad)
 
+
+
+def test_a_search_may_fix_one_rank():
+    # --set=ranks=16 parses as the integer 16: one principal block.
+    _, (ranks,) = tune.parse_assignment('set', 'ranks=16')
+    config = settings.check_config(dict(mode='hybrid', ranks=ranks))
+    assert config.ranks == (16,)
 
 def test_a_budget_below_the_grid_draws_a_fixed_subset():
     grid = {'learning_rate': [1, 2, 4], 'momentum': [0.0, 0.9]}
