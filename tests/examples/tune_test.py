@@ -37,12 +37,12 @@ def test_assignments_name_a_training_flag():
             tune.parse_assignment('grid', bad)
 
 
-
 def test_a_search_may_fix_one_rank():
     # --set=ranks=16 parses as the integer 16: one principal block.
     _, (ranks,) = tune.parse_assignment('set', 'ranks=16')
     config = settings.check_config(dict(mode='hybrid', ranks=ranks))
     assert config.ranks == (16,)
+
 
 def test_a_budget_below_the_grid_draws_a_fixed_subset():
     grid = {'learning_rate': [1, 2, 4], 'momentum': [0.0, 0.9]}

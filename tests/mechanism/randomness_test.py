@@ -124,7 +124,6 @@ def test_float32_noise_of_a_fixed_key_has_no_exact_zero():
     assert np.count_nonzero(noise == 0) == 0
 
 
-
 def test_each_tensors_noise_is_box_muller_of_its_own_stream():
     # The transform runs once over the bits of every tensor of one
     # accumulation dtype; each tensor's draws must still be those of its
@@ -151,6 +150,7 @@ def test_each_tensors_noise_is_box_muller_of_its_own_stream():
             noise[v].numpy().astype(np.float64), want.reshape(shape),
             rtol={tf.float16: 1e-3, tf.float32: 1e-5}.get(dtype, 1e-12),
             atol=1e-6, err_msg=f'tensor {v}')
+
 
 @pytest.mark.parametrize('dtype', [tf.float32, tf.float64, tf.float16])
 def test_noise_is_standard_normal(dtype):

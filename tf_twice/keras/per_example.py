@@ -90,6 +90,7 @@ def rows_where(keep: tf.Tensor):
     index = tf.reshape(tf.where(keep), [-1])
     return lambda t: tf.gather(t, index)
 
+
 class ExampleLoss:
     """The per-example loss of a Keras loss (see `loss_fn`)."""
 

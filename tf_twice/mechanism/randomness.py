@@ -65,8 +65,10 @@ def draw_step_key(generator: tf.random.Generator) -> tf.Tensor:
     return generator.uniform_full_int([1], dtype=tf.uint64)
 
 
-def _counter(low: tf.Tensor, stream: int) -> tf.Tensor:
+def _counter(low: TensorLike, stream: int) -> tf.Tensor:
     # Philox increments the low 64 bits; the high 64 bits name the stream.
+    if isinstance(low, int):  # Known at trace time: one constant op.
+        return tf.constant([low, stream], tf.uint64)
     low = tf.cast(low, tf.int64)
     return tf.bitcast(tf.stack([low, tf.constant(stream, tf.int64)]),
                       tf.uint64)
@@ -270,7 +272,7 @@ def standard_normal_noise(
     # not some thirty).
     bits = [tf.raw_ops.StatelessRandomUniformFullIntV2(
         shape=[2, half], key=key,
-        counter=tf.constant([0, noise_stream(block, v)], tf.uint64),
+        counter=_counter(0, noise_stream(block, v)),
         alg=_PHILOX_ALG, dtype=tf.uint64) for v, half in enumerate(halves)]
     groups: dict = {}
     for v, dtype in enumerate(dtypes):
