@@ -14,7 +14,8 @@ _SCRIPTS = os.path.join('tests', 'examples') + os.sep
 
 
 def _is_script_test(item) -> bool:
-    return _SCRIPTS in str(item.fspath)
+    return (_SCRIPTS in str(item.fspath)
+            and not item.get_closest_marker('every_stack'))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,8 +27,9 @@ def pytest_collection_modifyitems(config, items):
       on the stack; CI runs them in the oldest environment only;
     * with TF_TWICE_SCRIPT_TESTS=skip, the tests of the example scripts
       (tests/examples/): real training runs whose own logic is host-side;
-      CI runs them under Keras 2 (the oldest environment) and Keras 3, and
-      the library they drive is tested in every environment;
+      CI runs them in the newest environment (Keras 3), and the library
+      they drive in every environment; those marked ``every_stack`` (the
+      script end to end) run everywhere;
     * with TF_TWICE_KERAS_FREE_TESTS=skip, the modules marked ``pytestmark
       = pytest.mark.keras_free``: they build and call no Keras object (the
       kernels, the random streams, the samplers; tests/stack_markers_test.py

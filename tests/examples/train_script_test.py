@@ -352,6 +352,7 @@ def test_known_noise_is_dropped_and_other_warnings_are_kept():
                                  'Fix that! uses a while_loop. Fix that!'))
 
 
+@pytest.mark.every_stack  # The other script tests run on one stack in CI.
 def test_command_line_run_on_fashion_mnist_is_quiet(tmp_path):
     """The script end to end: flags, data, training, statement; no noise."""
     data_dir = tiny_fashion_mnist(tmp_path / 'fmnist', num_train=20,
