@@ -159,9 +159,9 @@ def test_only_replica_0_returns_a_nonzero_update(results, path):
     # holding the rest and the noise) gives the same sum, which the update
     # comparisons alone do not see, but an optimizer that transforms each
     # replica's update before the sum (Keras 3's clipping) would.
-    assert results['0']['per_replica'][path][0] > 1e-3
+    assert results['0']['noise'][path]['per_replica'][0] > 1e-3
     for replicas in REPLICAS:
-        got = results[replicas]['per_replica'][path]
+        got = results[replicas]['noise'][path]['per_replica']
         assert len(got) == int(replicas), (replicas, got)
         assert got[0] > 1e-3, (replicas, got)
         assert got[1:] == [0.0] * (int(replicas) - 1), (replicas, got)
@@ -224,7 +224,7 @@ def test_saved_weights_load_under_the_strategy(results, path):
     # Keras 2 assigned the file's values as they were, which the loss
     # metric's variables (summed over replicas on read) refused.
     for replicas in ('0',) + REPLICAS:
-        got = results[replicas]['weights_reload'][path]
+        got = results[replicas]['noise'][path]['reloads']
         assert got == {'model.weights.h5': True, 'model.keras': True}, (
             replicas, got)
 

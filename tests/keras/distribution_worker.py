@@ -10,6 +10,7 @@ A separate process, used by ``distribution_test``:
   worker INDEX of a two-worker MultiWorkerMirroredStrategy on loopback.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -114,10 +115,10 @@ def noiseless_float16_update(replicas, path):
         return noiseless_update(replicas, path)
 
 
-def per_replica_updates(replicas, path):
-    """The largest |update| each replica's ``PrivateAggregator.finish``
-    returns in one noisy step (index: replica id): replica 0 the noisy
-    update, every other replica exactly zeros."""
+@contextlib.contextmanager
+def _largest_update_per_replica():
+    """Records, while active, the largest |update| each replica's
+    ``PrivateAggregator.finish`` returns (key: replica id; the last step's)."""
     seen = {}
     finish = aggregator_lib.PrivateAggregator.finish
 
@@ -138,13 +139,9 @@ def per_replica_updates(replicas, path):
 
     aggregator_lib.PrivateAggregator.finish = spy
     try:
-        x, y = tiny_models.data(11, seed=3)
-        with _strategy(replicas).scope():
-            dp = _build(path, 1.0, tiny_models.mlp)
-            dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
+        yield seen
     finally:
         aggregator_lib.PrivateAggregator.finish = finish
-    return [seen[r] for r in sorted(seen)]
 
 
 def noiseless_one_row_update(replicas, path):
@@ -185,31 +182,27 @@ def noiseless_conv_update(replicas, path):
                                zip(dp.trainable_variables, before)]).tolist()
 
 
-def weights_reload(replicas, path):
-    """The model's weights after a step (its step count and ledger binding
-    included), saved to ``.weights.h5`` and ``.keras`` and loaded into a new
-    model built under the same strategy: per file, True if every weight came
+def _reloads(dp, build):
+    """``dp``'s weights (its step count and ledger record included), saved
+    to ``.weights.h5`` and ``.keras`` and loaded into a new model from
+    ``build`` under the same strategy: per file, True if every weight came
     back, else the error."""
-    x, y = tiny_models.data(11, seed=3)
     result = {}
-    with _strategy(replicas).scope():
-        dp = _build(path, 1.0, tiny_models.mlp)
-        dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, verbose=0)
-        for name in ('model.weights.h5', 'model.keras'):
-            saved = os.path.join(tempfile.mkdtemp(), name)
-            if name.endswith('.keras'):
-                dp.save(saved)
-            else:
-                dp.save_weights(saved)
-            restored = _build(path, 1.0, tiny_models.mlp)
-            restored(x[:0])  # Built, so that the file loads into it.
-            try:
-                restored.load_weights(saved)
-            except Exception as error:  # pylint: disable=broad-except
-                result[name] = f'{type(error).__name__}: {error}'[:500]
-                continue
-            result[name] = all(np.array_equal(a, b) for a, b in
-                               zip(restored.get_weights(), dp.get_weights()))
+    for name in ('model.weights.h5', 'model.keras'):
+        saved = os.path.join(tempfile.mkdtemp(), name)
+        if name.endswith('.keras'):
+            dp.save(saved)
+        else:
+            dp.save_weights(saved)
+        restored = build()
+        restored(np.zeros((0, tiny_models.NUM_FEATURES), np.float32))
+        try:  # Built above, so that the file loads into it.
+            restored.load_weights(saved)
+        except Exception as error:  # pylint: disable=broad-except
+            result[name] = f'{type(error).__name__}: {error}'[:500]
+            continue
+        result[name] = all(np.array_equal(a, b) for a, b in
+                           zip(restored.get_weights(), dp.get_weights()))
     return result
 
 
@@ -244,7 +237,10 @@ def basis_refresh_update(replicas):
 
 
 def noise_std_and_ledger(replicas, path):
-    """Update std of zero-gradient steps (pure noise), and ledger steps."""
+    """Update std of zero-gradient steps (pure noise), ledger steps, the
+    largest |update| each replica returned (``per_replica``: replica 0 the
+    noisy update, every other replica exactly zeros) and the weights'
+    reload under the strategy (``reloads``, see ``_reloads``)."""
     z = 2.0
     num_examples, steps = NUM_EXAMPLES, 3
 
@@ -255,20 +251,27 @@ def noise_std_and_ledger(replicas, path):
 
     x = np.zeros((num_examples, tiny_models.NUM_FEATURES), np.float32)
     y = np.zeros((num_examples,), np.int64)
+    def build():
+        return _build(path, z, zero_model, physical_batch_size=2)
+
     with _strategy(replicas).scope():
-        dp = _build(path, z, zero_model, physical_batch_size=2)
+        dp = build()
         ledger = PrivacyLedger.for_model(dp, delta=1e-5, verbose=0)
         data = sampling.poisson_batches(
             x, y, physical_batch_size=2, expected_batch_size=6.0,
             steps=steps, seed=5)
-        dp.fit(data, epochs=1, callbacks=[ledger], verbose=0)
+        with _largest_update_per_replica() as per_replica:
+            dp.fit(data, epochs=1, callbacks=[ledger], verbose=0)
         # Zero inputs: the kernel's gradient is 0, so each step adds only
         # lr * z * c2 / (B_exp q2) * N(0, 1) to every kernel entry.
         values = dp.trainable_variables[0].numpy().ravel()
+        reloads = _reloads(dp, build)
     return {'std': float(values.std()), 'steps': ledger.steps,
             'iterations': int(dp.optimizer.iterations.numpy()),
             'expected_std': float(np.sqrt(steps) * z * 0.6 / (6.0 * 0.5)),
-            'num_values': int(values.size)}
+            'num_values': int(values.size),
+            'per_replica': [per_replica[r] for r in sorted(per_replica)],
+            'reloads': reloads}
 
 
 # Optimizer clipping, which Keras 3 applies to each replica's update before
@@ -380,10 +383,8 @@ def main():
                              ('noiseless_mixed_float16',
                               noiseless_mixed_float16_update),
                              ('noiseless_conv', noiseless_conv_update),
-                             ('weights_reload', weights_reload),
                              ('noiseless_float16', noiseless_float16_update),
                              ('noiseless_one_row', noiseless_one_row_update),
-                             ('per_replica', per_replica_updates),
                              ('noise', noise_std_and_ledger))}
         for replicas in sys.argv[1].split(',')}
     for replicas in sys.argv[1].split(','):
