@@ -251,6 +251,7 @@ def noise_std_and_ledger(replicas, path):
 
     x = np.zeros((num_examples, tiny_models.NUM_FEATURES), np.float32)
     y = np.zeros((num_examples,), np.int64)
+
     def build():
         return _build(path, z, zero_model, physical_batch_size=2)
 
