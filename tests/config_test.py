@@ -77,6 +77,45 @@ def test_blocks_must_be_blocks():
                             blocks=())
 
 
+def test_the_accounting_reads_the_configs_blocks_resolved():
+    # One description of a block: the event's blocks are config Blocks,
+    # with the config's rate where a block sets none, no l-infinity clip
+    # read as c2 and one above c2 capped at it.
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', UserWarning)  # linf above l2.
+        config = TwiceSamplingConfig(
+            num_examples=N, expected_batch_size=100,
+            coordinate_sampling_rate=0.5,
+            blocks=(Block(l2_norm_clip=0.2, noise_multiplier=2.0,
+                          coordinate_sampling_rate=1.0, dimension=16),
+                    Block(l2_norm_clip=0.1, noise_multiplier=1.0,
+                          linf_norm_clip=0.5, dimension=1000),
+                    Block(l2_norm_clip=0.3, noise_multiplier=3.0,
+                          linf_norm_clip=0.01, dimension=50)))
+    blocks = config.dp_event().blocks()
+    assert all(isinstance(b, Block) for b in blocks.blocks)
+    assert blocks.coordinate_sampling_rates == (1.0, 0.5, 0.5)
+    assert blocks.linf_norm_clips == (0.2, 0.1, 0.01)
+    assert blocks.noise_multipliers == (2.0, 1.0, 3.0)
+    assert blocks.dimensions == (16, 1000, 50)
+
+
+def test_a_block_rate_below_the_mask_resolution_is_the_configs_refusal():
+    # The accountant takes any rate in (0, 1]; masks cannot realise one
+    # below 2**-16, so the config refuses it and names the block.
+    block = Block(l2_norm_clip=1.0, noise_multiplier=1.0,
+                  coordinate_sampling_rate=2**-17)
+    setting = dict(steps=10, delta=1e-5, example_sampling_rate=0.01,
+                   noise_multiplier=1.0)
+    epsilon = config_lib.accounting.epsilon_after_steps
+    assert 0 <= epsilon(coordinate_sampling_rate=2**-17, **setting) < epsilon(
+        coordinate_sampling_rate=0.5, **setting)
+    with pytest.raises(ValueError, match=r'blocks\[1\]\.coordinate_sampling_'
+                                         r'rate must be >= 2\*\*-16'):
+        TwiceSamplingConfig(num_examples=N, expected_batch_size=10,
+                            blocks=(Block(l2_norm_clip=1.0), block))
+
+
 def test_derived_rates():
     config = _single(coordinate_sampling_rate=0.3)
     assert config.example_sampling_rate == 256 / N

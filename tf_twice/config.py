@@ -32,9 +32,7 @@ guarantee.
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import attr
@@ -42,121 +40,29 @@ import attr
 from tf_twice import _validate
 from tf_twice import accounting
 from tf_twice.accounting import conversion as conversion_lib
+# One block's description and the masks' resolution belong to the
+# accounting, which reads them too; they are the config's public names.
+from tf_twice.accounting.blocks import Block
+from tf_twice.accounting.blocks import BlockColumns
+from tf_twice.accounting.blocks import MASK_PRECISION_BITS
+from tf_twice.accounting.blocks import check_coordinate_sampling_rate
+from tf_twice.accounting.blocks import effective_coordinate_sampling_rate
+from tf_twice.accounting.blocks import mask_bits_per_coordinate
 
 __all__ = ['Block', 'MASK_PRECISION_BITS', 'MAX_BLOCKS',
            'TwiceSamplingConfig', 'effective_coordinate_sampling_rate',
            'mask_bits_per_coordinate', 'steps_per_epoch']
 
-# A mask entry compares a uniform integer of b <= 16 random bits with
-# rate * 2**b, so the keep probability is exactly the dyadic rate
-# floor(q2 * 2**16) / 2**16 (``effective_coordinate_sampling_rate``).
-MASK_PRECISION_BITS = 16
-_MASK_LEVELS = 2**MASK_PRECISION_BITS
 # Every block draws from its own Philox streams; stream numbers must fit the
 # signed 64-bit high word of the counter (mechanism/randomness.py).
 MAX_BLOCKS = 2**22
 _FORMAT = 'tf_twice.TwiceSamplingConfig'
 
 
-def effective_coordinate_sampling_rate(
-        coordinate_sampling_rate: float) -> float:
-    """The keep probability the masks realise: floor(q2 * 2**16) / 2**16.
-
-    It equals q2 for dyadic rates such as 1/2 or 1/4 and is below q2 by less
-    than 2**-16 otherwise. The twice-sampling RDP bound is non-decreasing in
-    q2 (the number of kept coordinates is stochastically increasing in q2),
-    so accounting at the nominal q2 covers the realised rate; the update is
-    normalised by the realised rate, so it stays unbiased.
-    """
-    q2 = float(coordinate_sampling_rate)
-    if q2 >= 1.0:
-        return 1.0
-    return math.floor(q2 * _MASK_LEVELS) / _MASK_LEVELS
-
-
-def mask_bits_per_coordinate(coordinate_sampling_rate: float) -> int:
-    """Random bits one mask entry uses: the least b in (1, 2, 4, 8, 16) with
-    q2 * 2**b an integer. Dyadic rates such as 1/2 (b = 1) need far fewer
-    random bits, and generating them dominates the cost of masking."""
-    levels = effective_coordinate_sampling_rate(
-        coordinate_sampling_rate) * _MASK_LEVELS
-    for bits in (1, 2, 4, 8):
-        if (levels / 2**(MASK_PRECISION_BITS - bits)).is_integer():
-            return bits
-    return MASK_PRECISION_BITS
-
-
 def steps_per_epoch(example_sampling_rate: float) -> int:
     """Steps of one epoch of Poisson sampling at rate q1: round(1 / q1)
     (halves up), after which each example was used once in expectation."""
     return max(1, int(math.floor(1.0 / example_sampling_rate + 0.5)))
-
-
-def check_coordinate_sampling_rate(value: Any) -> float:
-    """q2 in (0, 1] and at least the mask resolution 2**-16."""
-    q2 = _validate.rate('coordinate_sampling_rate', value)
-    if effective_coordinate_sampling_rate(q2) <= 0:
-        raise ValueError(
-            f'coordinate_sampling_rate must be >= 2**-{MASK_PRECISION_BITS} '
-            f'(the mask resolution); got {q2}.')
-    return q2
-
-
-def _optional(check, name: str):
-    return lambda value: None if value is None else check(name, value)
-
-
-@attr.s(frozen=True, slots=True, kw_only=True)
-class Block:
-    """Clipping and noise of one block of the gradient space.
-
-    Attributes:
-      l2_norm_clip: c2 > 0, the l2 bound of one example's vector in the
-        block, in ``_validate.L2_CLIP_RANGE`` ([1e-12, 1e30]).
-      noise_multiplier: z; the noise std on every coordinate is z * c2.
-        None: to be chosen by ``TwiceSamplingConfig.calibrate``. Must be
-        > 0 unless the config is explicitly ``non_private``.
-      linf_norm_clip: c_inf > 0 applied to every coordinate after the l2
-        clip, or None (no l-infinity clip). A value >= c2 has no effect.
-      dimension: the block's number of coordinates (a hybrid basis's rank,
-        or the residual's d), or None; it can only tighten the accounting.
-      coordinate_sampling_rate: q2_j, the keep rate of this block's
-        coordinates (1: unmasked, e.g. a principal block of hybrid
-        clipping), or None for the config's ``coordinate_sampling_rate``.
-        A rate per block departs from the paper's algorithm, whose masks
-        share one rate; the accountant is exact for it (``rdp``).
-    """
-    l2_norm_clip: float = attr.ib(
-        converter=lambda v: _validate.l2_clip('l2_norm_clip', v))
-    noise_multiplier: Optional[float] = attr.ib(
-        default=None,
-        converter=_optional(_validate.non_negative, 'noise_multiplier'))
-    linf_norm_clip: Optional[float] = attr.ib(
-        default=None, converter=_optional(_validate.positive,
-                                          'linf_norm_clip'))
-    dimension: Optional[int] = attr.ib(
-        default=None,
-        converter=lambda v: None if v is None else _validate.integer(
-            'dimension', v, 1))
-    coordinate_sampling_rate: Optional[float] = attr.ib(
-        default=None, converter=lambda v: None if v is None else (
-            check_coordinate_sampling_rate(v)))
-
-    def __attrs_post_init__(self):
-        if (self.linf_norm_clip is not None
-                and self.linf_norm_clip > self.l2_norm_clip):
-            _warn_linf_above_l2(self.linf_norm_clip, self.l2_norm_clip)
-
-
-@functools.lru_cache(maxsize=None)  # Once per pair: evolve() re-inits.
-def _warn_linf_above_l2(linf_norm_clip: float, l2_norm_clip: float) -> None:
-    # Sound, but most likely the two clips swapped.
-    warnings.warn(
-        f'linf_norm_clip = {linf_norm_clip:g} is larger than l2_norm_clip = '
-        f'{l2_norm_clip:g}, so it clips nothing (no coordinate of an '
-        'l2-clipped vector exceeds c2): were the two swapped? The '
-        'l-infinity clip is usually c2 / sqrt(d0), e.g. c2 / 10.',
-        UserWarning, stacklevel=2)
 
 
 def _blocks_tuple(blocks: Any) -> Tuple[Block, ...]:
@@ -177,7 +83,7 @@ def _blocks_tuple(blocks: Any) -> Tuple[Block, ...]:
 
 
 @attr.s(frozen=True, slots=True, kw_only=True)
-class TwiceSamplingConfig:
+class TwiceSamplingConfig(BlockColumns):
     """The mechanism of one DP-SGD run with twice sampling (frozen).
 
     Attributes:
@@ -211,6 +117,11 @@ class TwiceSamplingConfig:
         if not isinstance(self.non_private, bool):
             raise ValueError(f'non_private must be a bool; got '
                              f'{self.non_private!r}.')
+        for j, block in enumerate(self.blocks):
+            if block.coordinate_sampling_rate is not None:
+                check_coordinate_sampling_rate(
+                    block.coordinate_sampling_rate,
+                    f'blocks[{j}].coordinate_sampling_rate')
         if not self.non_private:
             for j, block in enumerate(self.blocks):
                 if block.noise_multiplier == 0:
@@ -274,24 +185,6 @@ class TwiceSamplingConfig:
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
-
-    @property
-    def l2_norm_clips(self) -> Tuple[float, ...]:
-        return tuple(b.l2_norm_clip for b in self.blocks)
-
-    @property
-    def noise_multipliers(self) -> Tuple[Optional[float], ...]:
-        return tuple(b.noise_multiplier for b in self.blocks)
-
-    @property
-    def linf_norm_clips(self) -> Tuple[Optional[float], ...]:
-        return tuple(b.linf_norm_clip for b in self.blocks)
-
-    @property
-    def dimensions(self) -> Optional[Tuple[int, ...]]:
-        """r_j of every block, or None unless all are known."""
-        dims = tuple(b.dimension for b in self.blocks)
-        return None if None in dims else dims
 
     @property
     def is_calibrated(self) -> bool:

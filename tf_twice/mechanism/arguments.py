@@ -3,13 +3,16 @@
 The functions of ``tf_twice.mechanism.aggregation`` are public and take raw
 numbers, so they check their arguments although the training paths pass a
 ``TwiceSamplingConfig`` that is already validated. The checks are host-side
-Python, run when a step is traced, not in the step's graph. Per-block
+Python, run when a step is traced, not in the step's graph: a block's
+numbers get ``config.Block``'s own checks, so the kernels, the config and
+the accounting refuse the same values with the same messages. Per-block
 arguments (one entry per block) are normalised to lists here, and an error
 names the block and the argument.
 """
 
 from typing import List, Optional, Sequence
 
+import attr
 import numpy as np
 import tensorflow as tf
 
@@ -38,17 +41,18 @@ def validate_params(
 ) -> None:
     """Raises ValueError naming the first argument outside its allowed range.
 
-    The kernel's explicit arguments get the config's checks
-    (``tf_twice._validate``); arguments left as None are not checked
-    (``linf_norm_clip=None`` means "no l-infinity clipping"). Noise 0 is
-    allowed here: the config decides whether a run may be noise-free.
+    A block's numbers get ``config.Block``'s own checks (its fields'
+    converters), the rate and the expected batch size the config's; arguments left as
+    None are not checked (``linf_norm_clip=None`` means "no l-infinity
+    clipping"). Noise 0 is allowed here: the config decides whether a run
+    may be noise-free.
     """
-    if l2_norm_clip is not None:
-        _validate.l2_clip('l2_norm_clip', l2_norm_clip)
-    if linf_norm_clip is not None:
-        _validate.positive('linf_norm_clip', linf_norm_clip)
-    if noise_multiplier is not None:
-        _validate.non_negative('noise_multiplier', noise_multiplier)
+    fields = attr.fields_dict(config_lib.Block)
+    for name, value in (('l2_norm_clip', l2_norm_clip),
+                        ('linf_norm_clip', linf_norm_clip),
+                        ('noise_multiplier', noise_multiplier)):
+        if value is not None:
+            fields[name].converter(value)
     if coordinate_sampling_rate is not None:
         config_lib.check_coordinate_sampling_rate(coordinate_sampling_rate)
     if expected_batch_size is not None:
