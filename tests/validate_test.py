@@ -89,6 +89,7 @@ def test_accounting_blocks_use_the_same_checks():
         with pytest.raises(ValueError) as via_blocks:
             blocks_lib.Blocks.from_arguments(**arguments)
         assert str(via_blocks.value) == str(direct.value)
-    with pytest.raises(ValueError,
-                       match=r'block_dimensions\[1\] must be an integer >= 1'):
-        blocks_lib.Blocks.from_arguments(1.0, [1.0, 1.0], None, [3, 0])
+    for dims in ([3, 0], [3, None]):
+        with pytest.raises(ValueError, match=r'block_dimensions\[1\] must '
+                                             r'be an integer >= 1'):
+            blocks_lib.Blocks.from_arguments(1.0, [1.0, 1.0], None, dims)

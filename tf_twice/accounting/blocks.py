@@ -274,7 +274,12 @@ class Blocks(BlockColumns):
                  'linf_norm_clip': linf_norm_clip_name,
                  'dimension': block_dimensions_name,
                  'coordinate_sampling_rate': 'coordinate_sampling_rate'}
-        dims = broadcast.get(block_dimensions_name, (None,) * size)
+        dims = (None,) * size
+        if block_dimensions is not None:
+            # Every block's, when given: a Block alone may leave it open.
+            dims = tuple(
+                _validate.integer(f'{block_dimensions_name}[{j}]', r, 1)
+                for j, r in enumerate(broadcast[block_dimensions_name]))
         blocks = []
         for j in range(size):
             # The accounting's own rule: a noise-free block is not private.
@@ -293,6 +298,11 @@ class Blocks(BlockColumns):
 
     def with_noise_multipliers(self, noise_multipliers) -> 'Blocks':
         """These blocks with other (valid) z_j: a noise search's step."""
+        noise_multipliers = tuple(noise_multipliers)
+        if len(noise_multipliers) != self.size:
+            raise ValueError(f'noise_multipliers must hold one value per '
+                             f'block ({self.size}); got '
+                             f'{len(noise_multipliers)}.')
         return Blocks(tuple(
             attr.evolve(b, noise_multiplier=float(z))
             for b, z in zip(self.blocks, noise_multipliers)))

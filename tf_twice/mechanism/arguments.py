@@ -42,10 +42,10 @@ def validate_params(
     """Raises ValueError naming the first argument outside its allowed range.
 
     A block's numbers get ``config.Block``'s own checks (its fields'
-    converters), the rate and the expected batch size the config's; arguments left as
-    None are not checked (``linf_norm_clip=None`` means "no l-infinity
-    clipping"). Noise 0 is allowed here: the config decides whether a run
-    may be noise-free.
+    converters), the rate and the expected batch size the config's;
+    arguments left as None are not checked (``linf_norm_clip=None`` means
+    "no l-infinity clipping"). Noise 0 is allowed here: the config decides
+    whether a run may be noise-free.
     """
     fields = attr.fields_dict(config_lib.Block)
     for name, value in (('l2_norm_clip', l2_norm_clip),
