@@ -269,11 +269,10 @@ class Blocks(BlockColumns):
             raise ValueError(
                 f'coordinate_sampling_rate must be one rate for every block '
                 f'or one per block ({size}); got {len(rates)} rates.')
-        names = {'noise_multiplier': noise_multiplier_name,
-                 'l2_norm_clip': l2_norm_clip_name,
-                 'linf_norm_clip': linf_norm_clip_name,
-                 'dimension': block_dimensions_name,
-                 'coordinate_sampling_rate': 'coordinate_sampling_rate'}
+        # The rates, dimensions and noise are checked, named, here; only the
+        # clips' errors come from Block.
+        names = {'l2_norm_clip': l2_norm_clip_name,
+                 'linf_norm_clip': linf_norm_clip_name}
         dims = (None,) * size
         if block_dimensions is not None:
             # Every block's, when given: a Block alone may leave it open.
