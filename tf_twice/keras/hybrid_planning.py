@@ -80,8 +80,8 @@ def plan_hybrid_clipping(
       target_epsilon, delta, steps: the budget the per-block noise must meet;
         required exactly when ``config`` has no noise multiplier.
       **plan_blocks_kwargs: ``residual_d0``, ``principal_d0``,
-        ``principal_coordinate_sampling_rate``,
-        ``budget_split``, ``budget_quantile``, ``orders``, ``conversion`` of
+        ``principal_coordinate_sampling_rate``, ``budget_split``,
+        ``budget_quantile``, ``noise_objective``, ``orders``, ``conversion`` of
         ``tf_twice.hybrid.plan_blocks``.
 
     Returns:
