@@ -183,25 +183,22 @@ def report(results: Dict[str, List[Tuple[float, float]]]) -> None:
         for clock, label in ((0, 'wall'), (1, 'CPU')):
             ratios = [a[clock] / b[clock]
                       for a, b in zip(results[row], results[against])]
-            if bound is None:
+            if bound is None or bound < 0:  # Time per example.
                 ratios = [1 / v for v in ratios]
-                print(f'  time/example {row} / {against} ({label}): '
-                      + ' '.join(f'{v:.2f}' for v in ratios)
-                      + f'; {_summary(ratios, ".2f")}; no target')
-                continue
-            if bound < 0:  # Time per example.
-                ratios = [1 / v for v in ratios]
-                what, goal = f'time/example {row} / {against}', -bound
-                meets = statistics.median(ratios) <= goal
+                what = f'time/example {row} / {against}'
             else:
-                what, goal = f'{row} / {against}', bound
-                meets = statistics.median(ratios) >= goal
+                what = f'{row} / {against}'
+            if bound is None:
+                verdict = 'no target'
+            else:
+                median = statistics.median(ratios)
+                sign, goal = ('<=', -bound) if bound < 0 else ('>=', bound)
+                meets = median <= goal if bound < 0 else median >= goal
+                verdict = (f'target {sign} {goal:.2f}: '
+                           + ('met' if meets else 'NOT met'))
             print(f'  {what} ({label}): '
                   + ' '.join(f'{v:.2f}' for v in ratios)
-                  + f'; {_summary(ratios, ".2f")}; target '
-                  + f'{"<=" if bound < 0 else ">="} {goal:.2f}: '
-                  + ('met' if meets else 'NOT met'))
-
+                  + f'; {_summary(ratios, ".2f")}; {verdict}')
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
