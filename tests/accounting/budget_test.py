@@ -12,6 +12,7 @@ import sys
 import dp_accounting
 import pytest
 
+from tf_twice import accounting
 from tf_twice.accounting import budget as budget_lib
 from tf_twice.accounting import ledger_state
 from tf_twice.accounting import TwiceSampledGaussianDpEvent
@@ -82,6 +83,29 @@ def test_remaining_steps_is_the_largest_count_within_the_target():
     assert budget.remaining_steps() == 1 and budget.can_take(1)
     budget.charge(5)  # Charged past the target: none remain.
     assert budget.remaining_steps() == 0 and not budget.can_take(1)
+
+
+def test_epsilon_depends_on_the_step_counts_not_on_how_they_were_charged(
+        tmp_path):
+    # A run whose noise was calibrated to hit its target to the last bit
+    # must be allowed every planned step, charged one at a time as `fit`
+    # does; summing step by step once drifted above the target.
+    steps = 560
+    target = accounting.epsilon_after_steps(
+        steps=steps, delta=DELTA, example_sampling_rate=0.25,
+        coordinate_sampling_rate=0.5, noise_multiplier=1.0,
+        l2_norm_clip=1.0, linf_norm_clip=0.5)
+    path = str(tmp_path / 'ledger.json')
+    one_by_one = PrivacyBudget(EVENT, DELTA, target_epsilon=target,
+                               state_path=path)
+    for _ in range(steps - 1):
+        one_by_one.charge(1)
+    assert one_by_one.epsilon_after(1) == target
+    assert one_by_one.can_take(1)
+    one_by_one.charge(1)
+    assert one_by_one.epsilon == target
+    assert PrivacyBudget(EVENT, DELTA, state_path=path).epsilon == target
+    assert one_by_one.accountant.get_epsilon(DELTA) == target
 
 
 @pytest.mark.parametrize('target_steps, max_steps, expected', [
