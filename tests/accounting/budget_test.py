@@ -106,6 +106,9 @@ def test_epsilon_depends_on_the_step_counts_not_on_how_they_were_charged(
     assert one_by_one.epsilon == target
     assert PrivacyBudget(EVENT, DELTA, state_path=path).epsilon == target
     assert one_by_one.accountant.get_epsilon(DELTA) == target
+    with pytest.raises(ValueError, match='count'):
+        one_by_one.compose(EVENT, -1)  # Would lower epsilon.
+    assert one_by_one.epsilon == target
 
 
 @pytest.mark.parametrize('target_steps, max_steps, expected', [

@@ -204,7 +204,8 @@ class PrivacyBudget:
         return self._step_rdp[key]
 
     def compose(self, event: dp_accounting.DpEvent, count: int) -> None:
-        """Adds `count` steps of `event` (in memory only)."""
+        """Adds `count` >= 0 steps of `event` (in memory only)."""
+        count = _validate.integer('count', count, 0)
         with self._lock:
             key = (self._key if event is self._event
                    else ledger_state.event_key(event))
@@ -262,11 +263,13 @@ class PrivacyBudget:
     @property
     def accountant(self) -> TwiceSamplingRdpAccountant:
         """A new accountant holding every step charged, segment by segment
-        (its RDP is this ledger's, bit for bit)."""
+        (its RDP is this ledger's: bit for bit for one-step events such as
+        `TwiceSampledGaussianDpEvent`, up to rounding for composed ones)."""
         with self._lock:
             accountant = TwiceSamplingRdpAccountant(self._orders)
             for _, event, count in self._segments:
-                accountant.compose(event, count)
+                if count:
+                    accountant.compose(event, count)
             return accountant
 
     @property
@@ -283,14 +286,15 @@ class PrivacyBudget:
         of its target was stopped one step short.)"""
         with self._lock:
             counts = [[key, count] for key, _, count in self._segments]
-        if extra_steps:  # 0 * inf would be nan.
+        if extra_steps:
             if counts and counts[-1][0] == self._key:
                 counts[-1][1] += extra_steps
             else:
                 counts.append([self._key, extra_steps])
         rdp = np.zeros(len(self._orders))
         for key, count in counts:
-            rdp = rdp + count * self._step_rdp[key]
+            if count:  # 0 * inf would be nan.
+                rdp = rdp + count * self._step_rdp[key]
         return rdp
 
     def _epsilon_and_order_after(self,
