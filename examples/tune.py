@@ -68,9 +68,11 @@ _NOT_SEARCHED = ('seed', 'validation_examples', 'dataset', 'features',
 
 
 def parse_value(text: str) -> Any:
-    """'none' -> None, else an int, a float or the string itself."""
-    if text.lower() == 'none':
-        return None
+    """'none' -> None, 'true'/'false' -> a bool, else an int, a float or the
+    string itself."""
+    words = {'none': None, 'true': True, 'false': False}
+    if text.lower() in words:
+        return words[text.lower()]
     for kind in (int, float):
         try:
             return kind(text)

@@ -116,6 +116,15 @@ class TrainConfig:
 
 
 
+def check_switches(config: TrainConfig) -> None:
+    """Every bool setting is a bool: the string 'false' (a mapping or a
+    search's value) would otherwise switch it on."""
+    for field in dataclasses.fields(TrainConfig):
+        value = getattr(config, field.name)
+        if field.type in (bool, 'bool') and not isinstance(value, bool):
+            raise flag_error(field.name, 'true or false', value)
+
+
 def flag_error(flag: str, allowed: str, value: Any) -> ValueError:
     return ValueError(f'--{flag} must be {allowed}; got {value!r}.')
 
@@ -175,6 +184,7 @@ def check_config(config: Any) -> TrainConfig:
       ValueError: naming the flag and its allowed range.
     """
     config = TrainConfig.from_object(config)
+    check_switches(config)
     check_choice('dataset', config.dataset, DATASETS)
     check_choice('features', config.features, FEATURES)
     recipes.apply(config)

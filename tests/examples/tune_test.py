@@ -29,6 +29,11 @@ def test_assignments_name_a_training_flag():
     assert tune.parse_assignment('set', 'mode=twice') == ('mode', ['twice'])
     assert tune.parse_assignment('grid', 'linf_norm_clip=none,0.01') == (
         'linf_norm_clip', [None, 0.01])
+    assert tune.parse_assignment('grid', 'replan_budgets=false,True') == (
+        'replan_budgets', [False, True])
+    with pytest.raises(ValueError, match='--replan_budgets must be true or '
+                       "false; got 'false'"):
+        settings.check_config(dict(mode='hybrid', replan_budgets='false'))
     for bad, match in (('learning_rate', 'NAME=VALUE'),
                        ('learning_rate=', 'NAME=VALUE'),
                        ('learnin_rate=1', 'learnin_rate'),
