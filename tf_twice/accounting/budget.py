@@ -250,10 +250,14 @@ class PrivacyBudget:
         """Steps charged, including those loaded."""
         return self._steps
 
-    def history(self) -> List[Tuple[str, int]]:
-        """The steps charged as (event_key, count) segments, in order."""
+    def history(self, extra_steps: int = 0) -> List[Tuple[str, int]]:
+        """The steps charged as (event_key, count) segments, in order, then
+        `extra_steps` more of `event` if any."""
         with self._lock:
-            return [(key, count) for key, _, count in self._segments]
+            keyed = [(key, count) for key, _, count in self._segments]
+        if extra_steps:
+            keyed.append((self._key, extra_steps))
+        return keyed
 
     @property
     def event_key(self) -> str:
@@ -266,10 +270,10 @@ class PrivacyBudget:
         (its RDP is this ledger's: bit for bit for one-step events such as
         `TwiceSampledGaussianDpEvent`, up to rounding for composed ones)."""
         with self._lock:
+            events = {key: event for key, event, _ in self._segments}
             accountant = TwiceSamplingRdpAccountant(self._orders)
-            for _, event, count in self._segments:
-                if count:
-                    accountant.compose(event, count)
+            for key, count in ledger_state.merge_segments(self.history()):
+                accountant.compose(events[key], count)
             return accountant
 
     @property
@@ -284,17 +288,12 @@ class PrivacyBudget:
         file, and a calibration (steps * rdp) agree bit for bit. (Summing a
         step at a time drifted by rounding: a run calibrated to within 1e-15
         of its target was stopped one step short.)"""
-        with self._lock:
-            counts = [[key, count] for key, _, count in self._segments]
-        if extra_steps:
-            if counts and counts[-1][0] == self._key:
-                counts[-1][1] += extra_steps
-            else:
-                counts.append([self._key, extra_steps])
         rdp = np.zeros(len(self._orders))
-        for key, count in counts:
-            if count:  # 0 * inf would be nan.
-                rdp = rdp + count * self._step_rdp[key]
+        # Merged as the state file holds them; empty runs dropped (0 * inf
+        # would be nan).
+        for key, count in ledger_state.merge_segments(
+                self.history(extra_steps)):
+            rdp = rdp + count * self._step_rdp[key]
         return rdp
 
     def _epsilon_and_order_after(self,
@@ -340,9 +339,7 @@ class PrivacyBudget:
         """The state as a JSON-ready dict (format in the module docstring),
         with `reserve` steps of `event` charged ahead."""
         with self._lock:
-            keyed = [(key, count) for key, _, count in self._segments]
-            if reserve:
-                keyed.append((self._key, reserve))
+            keyed = self.history(reserve)
             digest = ledger_state.history_digest(keyed)
             # The reserve joins its event's run.
             segments = ledger_state.merge_segments(keyed)
