@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import dp_accounting
+import numpy as np
 import pytest
 
 from tf_twice import accounting
@@ -109,6 +110,27 @@ def test_epsilon_depends_on_the_step_counts_not_on_how_they_were_charged(
     with pytest.raises(ValueError, match='count'):
         one_by_one.compose(EVENT, -1)  # Would lower epsilon.
     assert one_by_one.epsilon == target
+
+
+def test_an_event_with_float32_fields_is_charged_its_float64_curve(tmp_path):
+    # dp_accounting may compute a float32 event's RDP in float32 (lower); the
+    # ledger charges every event of one key the curve of the key's values,
+    # whether the event came in memory or from the state file.
+    def gaussian(kind):
+        return dp_accounting.PoissonSampledDpEvent(
+            kind(0.004), dp_accounting.GaussianDpEvent(kind(0.6)))
+
+    def as_float64(value):  # The float32 value, exactly, as a float.
+        return float(np.float32(value))
+    exact = _epsilon(1000, gaussian(as_float64))
+    path = str(tmp_path / 'ledger.json')
+    live = PrivacyBudget(gaussian(as_float64), DELTA, state_path=path)
+    live.charge(1000)
+    resumed = PrivacyBudget(gaussian(np.float32), DELTA, state_path=path)
+    fresh = PrivacyBudget(gaussian(np.float32), DELTA)
+    fresh.charge(1000)
+    assert live.epsilon == resumed.epsilon == fresh.epsilon == exact
+    assert fresh.accountant.get_epsilon(DELTA) == exact
 
 
 @pytest.mark.parametrize('target_steps, max_steps, expected', [

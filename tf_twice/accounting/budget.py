@@ -173,9 +173,11 @@ class PrivacyBudget:
         self._orders = TwiceSamplingRdpAccountant(orders).orders
         self._event = event
         self._key = ledger_state.event_key(event)  # Fails if unstorable.
-        # One step's RDP curve per event key; `_rdp_after` composes them.
-        self._step_rdp: Dict[str, np.ndarray] = {}
-        self._step_rdp_of(self._key, event)  # Refuses an unsupported event.
+        # Per event key, the event the key names and one step's RDP curve;
+        # `_rdp_after` composes them.
+        self._steps_of: Dict[str, Tuple[dp_accounting.DpEvent,
+                                        np.ndarray]] = {}
+        self._step_of(self._key)  # Refuses an unsupported event.
         self._segments: List[List[Any]] = []  # [key, event, count]
         self._steps = 0
         # A monitor thread may save or read the state while training charges
@@ -190,9 +192,15 @@ class PrivacyBudget:
 
     # --- accounting -------------------------------------------------------
 
-    def _step_rdp_of(self, key: str,
-                     event: dp_accounting.DpEvent) -> np.ndarray:
-        if key not in self._step_rdp:
+    def _step_of(self, key: str) -> Tuple[dp_accounting.DpEvent,
+                                          np.ndarray]:
+        """(event, one step's RDP) of the event `key` names, rebuilt from the
+        key as a state file stores it: every event of one key, in memory or
+        loaded, is charged the same curve, in float64 (dp_accounting may
+        compute an event holding numpy float32 fields in float32: up to 1e-5
+        lower, relative, with NumPy 2)."""
+        if key not in self._steps_of:
+            event = ledger_state.event_from_json(json.loads(key))
             step = TwiceSamplingRdpAccountant(self._orders)
             if not step.supports(event):
                 raise ValueError(
@@ -200,8 +208,8 @@ class PrivacyBudget:
                     'TwiceSamplingRdpAccountant (note that '
                     'TwiceSampledGaussianDpEvent must not be wrapped in '
                     'PoissonSampledDpEvent).')
-            self._step_rdp[key] = step.compose(event, 1).rdp
-        return self._step_rdp[key]
+            self._steps_of[key] = (event, step.compose(event, 1).rdp)
+        return self._steps_of[key]
 
     def compose(self, event: dp_accounting.DpEvent, count: int) -> None:
         """Adds `count` >= 0 steps of `event` (in memory only)."""
@@ -209,7 +217,7 @@ class PrivacyBudget:
         with self._lock:
             key = (self._key if event is self._event
                    else ledger_state.event_key(event))
-            self._step_rdp_of(key, event)
+            self._step_of(key)
             if key != self._key:
                 # The file's segments lack this event: the next charge or
                 # reserve_ahead must write, whatever the step counts say.
@@ -269,12 +277,10 @@ class PrivacyBudget:
         """A new accountant holding every step charged, segment by segment
         (its RDP is this ledger's: bit for bit for one-step events such as
         `TwiceSampledGaussianDpEvent`, up to rounding for composed ones)."""
-        with self._lock:
-            events = {key: event for key, event, _ in self._segments}
-            accountant = TwiceSamplingRdpAccountant(self._orders)
-            for key, count in ledger_state.merge_segments(self.history()):
-                accountant.compose(events[key], count)
-            return accountant
+        accountant = TwiceSamplingRdpAccountant(self._orders)
+        for key, count in ledger_state.merge_segments(self.history()):
+            accountant.compose(self._step_of(key)[0], count)
+        return accountant
 
     @property
     def dp_event(self) -> dp_accounting.DpEvent:
@@ -293,7 +299,7 @@ class PrivacyBudget:
         # would be nan).
         for key, count in ledger_state.merge_segments(
                 self.history(extra_steps)):
-            rdp = rdp + count * self._step_rdp[key]
+            rdp = rdp + count * self._step_of(key)[1]
         return rdp
 
     def _epsilon_and_order_after(self,
