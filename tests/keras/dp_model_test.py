@@ -530,7 +530,8 @@ def _dense(width, inputs=None):
 
 
 @pytest.mark.parametrize('make_model, expected_batch_size, want', [
-    (_mlp, None, 256),  # d = 43: far more rows than 256 fit the cache.
+    # d = 43, Dense layers: far more rows than 512 fit the cache.
+    (_mlp, None, 512),
     (_mlp, 100.0, 128),  # No larger than the batch, rounded up to 2**k.
     (_mlp, 6.0, 8),
     (_mlp, 1.0, 8),  # Never below 8.
@@ -570,17 +571,23 @@ def test_default_physical_batch_size_where_a_gpu_is_visible(
     _check_default_physical_batch_size(make_model, expected_batch_size, want)
 
 
-@pytest.mark.parametrize('gpu', [False, True])
-def test_default_physical_batch_size_of_dense_layers(monkeypatch, gpu):
+@pytest.mark.parametrize('gpu, want', [(False, 512), (True, 256)])
+def test_default_physical_batch_size_of_dense_layers(monkeypatch, gpu, want):
     # Their kernels' gradients stay factors: 2 * 2048 + 2048 floats per
-    # example, not d = 4.2M (8 rows above), so 256 rows fit in 32 MiB.
+    # example, not d = 4.2M (8 rows above), so 512 rows fit in 32 MiB; on a
+    # CPU such a model's chunk may reach 512 rows, elsewhere 256.
     monkeypatch.setattr(vectorized_backprop, 'gpu_visible', lambda: gpu)
     _check_default_physical_batch_size(
         lambda: tf.keras.Sequential([tf.keras.Input((2048,)),
-                                     tf.keras.layers.Dense(2048)]), None, 256)
+                                     tf.keras.layers.Dense(2048)]), None, want)
     # The ScatterNet linear model (GroupNorm - Dense): on a CPU its
     # d = 39,700 would give 128 rows.
-    _check_default_physical_batch_size(models.linear, None, 256)
+    _check_default_physical_batch_size(models.linear, None, want)
+    # Never more than the expected batch rounded up to a power of two.
+    _check_default_physical_batch_size(models.linear, 100.0, 128)
+    # Hybrid clipping writes each example's gradient out: 256 at most.
+    model = models.linear()
+    assert default_physical_batch_size(model, hybrid=True) == 256
 
 
 def _check_default_physical_batch_size(make_model, expected_batch_size, want):
@@ -589,17 +596,18 @@ def _check_default_physical_batch_size(make_model, expected_batch_size, want):
                       expected_batch_size=expected_batch_size))
     size = default_physical_batch_size(make_model(), config)
     assert size == want
-    assert isinstance(size, int) and 8 <= size <= 256
+    assert isinstance(size, int) and 8 <= size <= 512
     assert size & (size - 1) == 0  # A power of two.
     if expected_batch_size is not None:
         assert size <= max(8, 2 * expected_batch_size)
 
 
-def test_dp_model_defaults_its_physical_batch_size():
+def test_dp_model_defaults_its_physical_batch_size(monkeypatch):
+    monkeypatch.setattr(vectorized_backprop, 'gpu_visible', lambda: False)
     model = _mlp()
     assert DPModel(model, CONFIG).physical_batch_size == (
         default_physical_batch_size(model, CONFIG)) == 8
-    assert DPModel(_mlp()).physical_batch_size == 256
+    assert DPModel(_mlp()).physical_batch_size == 512
 
 
 # --- accounting: dp_event and the fit guards --------------------------------

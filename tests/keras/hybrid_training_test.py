@@ -36,6 +36,7 @@ import tf_twice.keras as tf_twice_keras
 from tf_twice.keras import DPModel, PrivacyLedger
 from tf_twice.keras import basis_refresh
 from tf_twice.keras import guards
+from tf_twice.keras import vectorized_backprop
 from tf_twice.mechanism import aggregation as agg
 from tf_twice.mechanism import basis as basis_lib
 from tf_twice.mechanism import hybrid
@@ -295,6 +296,18 @@ MISFITS = [
                 Block(l2_norm_clip=0.2, noise_multiplier=1.5))),
      'dimension is 4 but the basis block has 3'),
 ]
+
+
+def test_hybrid_dp_model_keeps_chunks_of_at_most_256(monkeypatch):
+    # Its per-example gradients are written out for the projection: the
+    # 512-row chunks of a model of Dense layers were slower there.
+    monkeypatch.setattr(vectorized_backprop, 'gpu_visible', lambda: False)
+    sizes = dict(num_examples=10_000, expected_batch_size=1000.0)
+    single = TwiceSamplingConfig.single(l2_norm_clip=0.6,
+                                        noise_multiplier=1.0, **sizes)
+    assert DPModel(_mlp(), single).physical_batch_size == 512
+    assert DPModel(_mlp(), _params(**sizes),
+                   basis=_basis()).physical_batch_size == 256
 
 
 @pytest.mark.parametrize('config, match', MISFITS)

@@ -132,7 +132,8 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
             raise ValueError('config must be a tf_twice.TwiceSamplingConfig '
                              f'or None; got {type(config).__name__}.')
         if physical_batch_size is None:
-            physical_batch_size = default_physical_batch_size(model, config)
+            physical_batch_size = default_physical_batch_size(
+                model, config, hybrid=basis is not None)
         self.physical_batch_size = _validate.integer(
             'physical_batch_size', physical_batch_size, 1)
         self.inner_model = model
