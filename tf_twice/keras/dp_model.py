@@ -98,7 +98,9 @@ class DPModel(model_artifacts.ArtifactHygiene, tf.keras.Model):
             tf_twice DP optimizer given to ``compile``.
           physical_batch_size: examples per vectorized chunk (an int >= 1);
             a logical batch's last chunk holds what is left. Speed and memory
-            only, never privacy. None: ``default_physical_batch_size``.
+            only, never privacy. None: ``default_physical_batch_size``
+            (with ``hybrid`` when ``basis`` is given here; a basis that
+            comes with a DP optimizer is not seen: pass 256 with one).
           seed: of the step keys (masks and noise), for experiments; None
             (default) uses OS entropy. Never saved with the model.
           basis: None (one block), or a ``HybridBasis`` over the model's
