@@ -17,7 +17,10 @@ one each round) for several rounds of ``--steps`` steps each:
     a basis learned from random gradients (its values do not change the
     cost). Its residual is dense per example, so its per-example
     gradients are materialised and projected (4 B d k flops a chunk); no
-    target, the ratio to DP-SGD is printed.
+    target, the ratio to DP-SGD is printed;
+  * with ``--compare_physical P ...``: each DP row again in chunks of P
+    rows (``DP-SGD q2=1 at P``, ...); no target, its ratio to the same row
+    at the default (or ``--physical_batch_size``) chunk is printed.
 
 Every row trains on the same fixed batches of ``--batch_size`` rows (the DP
 step is the same computation on a Poisson batch of that size). Prints, per
@@ -30,6 +33,7 @@ information). Usage:
   python benchmarks/linear_model_benchmark.py                # 7 rounds
   python benchmarks/linear_model_benchmark.py --quick        # < 1 minute
   python benchmarks/linear_model_benchmark.py --physical_batch_size 512
+  python benchmarks/linear_model_benchmark.py --compare_physical 256 1024
   TF_USE_LEGACY_KERAS=1 python benchmarks/linear_model_benchmark.py  # Keras 2
 
 Wall-clock figures on a shared host move with its load; the CPU-second
@@ -143,6 +147,13 @@ def time_fit(model, data, steps: int, batch: int) -> Tuple[float, float]:
     return steps * batch / clock.wall, steps * batch / clock.cpu
 
 
+DP_ROWS = (DP_SGD, TWICE, HYBRID)
+
+
+def _at_physical(name: str, size: int) -> str:
+    return f'{name} at {size}'
+
+
 def run(args) -> Dict[str, List[Tuple[float, float]]]:
     batch = args.batch_size
     rng = np.random.default_rng(0)
@@ -151,9 +162,13 @@ def run(args) -> Dict[str, List[Tuple[float, float]]]:
     data = (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
             .cache().repeat())
     names = [FIT, DP_SGD, TWICE, HYBRID]
-    built = {}
+    built = {name: build(name, batch, args.physical_batch_size)
+             for name in names}
+    for size in args.compare_physical:
+        for name in DP_ROWS:
+            names.append(_at_physical(name, size))
+            built[names[-1]] = build(name, batch, size)
     for name in names:
-        built[name] = build(name, batch, args.physical_batch_size)
         time_fit(built[name], data, 2, batch)  # Traced, compiled, warm.
     print(f'physical batch: {built[DP_SGD].physical_batch_size}', flush=True)
     results: Dict[str, List[Tuple[float, float]]] = {n: [] for n in names}
@@ -171,7 +186,8 @@ def _summary(values: List[float], form: str) -> str:
             f'({min(values):{form}} to {max(values):{form}})')
 
 
-def report(results: Dict[str, List[Tuple[float, float]]]) -> None:
+def report(results: Dict[str, List[Tuple[float, float]]],
+           compare_physical: List[int]) -> None:
     width = max(len(name) for name in results)
     for clock, label in ((0, 'wall-clock second'), (1, 'CPU second')):
         print(f'examples per {label}, median (range) over rounds:')
@@ -179,7 +195,9 @@ def report(results: Dict[str, List[Tuple[float, float]]]) -> None:
             print(f'  {name:{width}s} '
                   f'{_summary([row[clock] for row in rows], ",.0f")}')
     print('paired ratios of examples/s (each round; median (range)):')
-    for row, against, bound in TARGETS:
+    for row, against, bound in TARGETS + tuple(
+            (_at_physical(name, size), name, None)
+            for size in compare_physical for name in DP_ROWS):
         for clock, label in ((0, 'wall'), (1, 'CPU')):
             ratios = [a[clock] / b[clock]
                       for a, b in zip(results[row], results[against])]
@@ -208,6 +226,9 @@ def main(argv=None) -> None:
     parser.add_argument('--batch_size', type=int, default=8192)
     parser.add_argument('--physical_batch_size', type=int, default=None,
                         help="default: DPModel's default")
+    parser.add_argument('--compare_physical', type=int, nargs='*',
+                        default=[], metavar='P',
+                        help='also time each DP row in chunks of P rows')
     parser.add_argument('--quick', action='store_true',
                         help='3 rounds of 2 steps: a smoke run, not figures')
     args = parser.parse_args(argv)
@@ -221,7 +242,7 @@ def main(argv=None) -> None:
         # Fixed batches, no ledger: DPModel warns that nothing accounts.
         warnings.simplefilter('ignore')
         results = run(args)
-    report(results)
+    report(results, args.compare_physical)
 
 
 if __name__ == '__main__':

@@ -399,12 +399,12 @@ _PHYSICAL_RANGE = (8, 256)
 # trained 1.03-1.07x (q2 = 1) and 1.13-1.23x (q2 = 0.5, l-infinity clip)
 # faster at P = 256 than at 128, the [P, d] rule's, on two threads (about
 # 0.95x on one), paired per-step timings (TensorFlow 2.21). On a CPU such a
-# model's chunk may reach 512 rows: there its DP-SGD step ran at 0.91x
-# non-private fit's wall speed against 0.81x at P = 256, 0.88x at 1,024 and
-# 0.82x at 2,048 (7 paired rounds), twice sampling at 0.84x against 0.74x
-# at 256 (5 rounds; 2 idle cores, TensorFlow 2.21, Keras 3, 2026-12-04).
-# Not under hybrid clipping, which writes each example's gradient out for
-# the projection: its step ran 1.08x faster at 256 than at 512 (4 rounds).
+# model's chunk may reach 512 rows: there its DP-SGD step took 1.08x its
+# time at 256 rows and 1.06x at 1,024, twice sampling's 1.12x and 1.02x
+# (`benchmarks/linear_model_benchmark.py --compare_physical 256 1024`, 2
+# idle cores, TensorFlow 2.21, Keras 3, 2026-12-04). Not under hybrid
+# clipping, which writes each example's gradient out for the projection:
+# it took 1.14x at 512 its time at 256 (`--compare_physical 512`).
 _FACTORED_DENSE_CPU_HIGH = 512
 
 
